@@ -1,0 +1,6 @@
+"""Pure ``nn.Module`` building blocks; no backbone knowledge lives here."""
+from .activations import AGeLU, ArbitraryActivation, ConcatArbitraryActivations, get_base_activation
+from .baselines import timm_mlp
+from .iffn import IFFN, DepthwiseBlock, SumOfNonlinearities
+from .layout import TokenLayout, apply_spatial, check_grid, merge_tokens, split_tokens
+from .registry import FFN_REGISTRY, create_ffn, list_ffns, register_ffn

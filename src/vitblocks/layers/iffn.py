@@ -1,0 +1,251 @@
+"""IFFN: the improved feed-forward network of "Enhancing Vision Transformer: Amplifying
+Non-Linearity in Feedforward Network Module" (Xu et al., ICML 2024).
+
+Structure (paper Sec. 4, Fig. 4b; details follow the authors' released model)::
+
+    x (C) -> fc1 -> (C'/N) -> [A_1 | ... | A_N] -> (C') -> LayerNorm(C')      # channel part, Eq. 5
+          -> y + GELU(BN(DWConv_kxk(y)))                                      # spatial part, Sec. 4.3
+          -> fc2 -> (C) -> LayerNorm(C)
+
+with ``C' = hidden_features`` (4C in ViTs), ``N = num_functions`` (2 in the paper, Table 4
+ablates 4) and ``A_i`` arbitrary activations (Eq. 3; AGeLU for GELU). Ablation switches
+follow Table 2: without the channel part, fc1 maps C -> C' followed by the plain base
+activation; without the spatial part, the depthwise block is dropped.
+"""
+from typing import Optional, Tuple, Type, Union
+
+import torch
+from timm.layers import LayerNorm, LayerNorm2d, to_2tuple
+from torch import nn
+
+from .activations import BASE_ACTIVATIONS, ConcatArbitraryActivations, get_base_activation
+from .layout import TokenLayout, apply_spatial
+from .registry import register_ffn
+
+__all__ = ['IFFN', 'DepthwiseBlock', 'SumOfNonlinearities']
+
+
+def _fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
+    """Fold an eval-mode BatchNorm into the preceding conv (computed in float64)."""
+    fused = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                      conv.dilation, conv.groups, bias=True, device=conv.weight.device, dtype=conv.weight.dtype)
+    w = conv.weight.double()
+    b = conv.bias.double() if conv.bias is not None else torch.zeros(conv.out_channels, dtype=torch.float64,
+                                                                      device=w.device)
+    scale = bn.weight.double() / torch.sqrt(bn.running_var.double() + bn.eps)
+    fused.weight.data.copy_(w * scale.view(-1, 1, 1, 1))
+    fused.bias.data.copy_((b - bn.running_mean.double()) * scale + bn.bias.double())
+    return fused
+
+
+class DepthwiseBlock(nn.Module):
+    """Residual depthwise block ``x + GELU(BN(DWConv_k(x)))`` on a ``(B, C, H, W)`` map.
+
+    The IFFN spatial enhancement part (Sec. 4.3, Eq. 10: a kxk depthwise conv after the
+    nonlinearity mixes each channel's neighbours). ``fuse()`` folds the BatchNorm into the
+    conv for inference (exact in eval mode).
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 3, act: str = 'gelu', deploy: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f'kernel_size must be a positive odd number (same padding), got {kernel_size}')
+        self.kernel_size = kernel_size
+        self.conv = nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, groups=channels,
+                              bias=True, **dd)
+        self.bn = nn.Identity() if deploy else nn.BatchNorm2d(channels, **dd)
+        self._act = BASE_ACTIVATIONS[get_base_activation(act)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self._act(self.bn(self.conv(x)))
+
+    @torch.no_grad()
+    def fuse(self) -> 'DepthwiseBlock':
+        """Return the deploy form (BatchNorm folded into the depthwise conv); idempotent."""
+        if isinstance(self.bn, nn.Identity):
+            return self
+        w = self.conv.weight
+        fused = DepthwiseBlock(self.conv.in_channels, self.kernel_size, deploy=True, device=w.device, dtype=w.dtype)
+        fused._act = self._act
+        fused.conv = _fuse_conv_bn(self.conv, self.bn)
+        return fused
+
+
+@register_ffn('iffn')
+class IFFN(nn.Module):
+    """Improved FFN (IFFN paper, Sec. 4, Fig. 4b); a drop-in for timm's ``Mlp``.
+
+    Args:
+        in_features: input channels C.
+        hidden_features: C', the width entering fc2 (default 4C). With the channel part,
+            fc1 produces ``C' / num_functions`` channels.
+        out_features: output channels (default C).
+        act_layer: basic nonlinear function phi of Eq. 3 (name or timm-style class):
+            'gelu' (AGeLU), 'softplus', 'elu', 'silu', 'relu' (Table 3).
+        norm_layer: norm after the concatenation and at the output (default LayerNorm,
+            LayerNorm2d for channels-first input).
+        bias: bias of fc1/fc2 (bool or pair).
+        drop: dropout after the activations and after fc2 (float or pair).
+        num_functions: N, number of concatenated arbitrary activations (Table 4).
+        channel_part: use the channel-wise enhancement (Table 2).
+        spatial_part: use the depthwise block (Table 2).
+        kernel_size: n, depthwise kernel size (Table 6; 3 by default, 5 for the '*' rows).
+        grid_size: ``(H, W)`` patch grid for token input; the surgery code sets and updates it.
+        num_prefix_tokens: leading non-grid tokens (class/distillation/register) that bypass
+            the spatial part.
+        channels_first: input is ``(B, C, H, W)`` (timm's ``use_conv=True``, PoolFormer).
+        layout: a shared :class:`TokenLayout` (overrides the three arguments above).
+    """
+
+    def __init__(
+            self,
+            in_features: int,
+            hidden_features: Optional[int] = None,
+            out_features: Optional[int] = None,
+            act_layer: Union[str, Type[nn.Module]] = 'gelu',
+            norm_layer: Optional[Type[nn.Module]] = None,
+            bias: Union[bool, Tuple[bool, bool]] = True,
+            drop: Union[float, Tuple[float, float]] = 0.,
+            num_functions: int = 2,
+            channel_part: bool = True,
+            spatial_part: bool = True,
+            kernel_size: int = 3,
+            grid_size: Optional[Tuple[int, int]] = None,
+            num_prefix_tokens: int = 0,
+            channels_first: bool = False,
+            layout: Optional[TokenLayout] = None,
+            device=None,
+            dtype=None,
+    ):
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        out_features = out_features or in_features
+        hidden_features = hidden_features or 4 * in_features
+        self.layout = layout if layout is not None else TokenLayout(
+            tuple(grid_size) if grid_size is not None else None, num_prefix_tokens, channels_first)
+        cf = self.layout.channels_first
+        if norm_layer is None:
+            norm_layer = LayerNorm2d if cf else LayerNorm
+        base = get_base_activation(act_layer)
+        bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
+        linear = (lambda i, o, b: nn.Conv2d(i, o, 1, bias=b, **dd)) if cf else (lambda i, o, b: nn.Linear(i, o, b, **dd))
+
+        if channel_part and hidden_features % num_functions:
+            raise ValueError(f'hidden_features={hidden_features} is not divisible by num_functions={num_functions}; '
+                             f'choose hidden_features as a multiple of {num_functions}')
+        self.hidden_features = hidden_features
+        self.channel_part, self.spatial_part = channel_part, spatial_part
+        fc1_out = hidden_features // num_functions if channel_part else hidden_features
+        self.fc1 = linear(in_features, fc1_out, bias[0])
+        if channel_part:  # Eq. 5: concat of N arbitrary activations, then LayerNorm on C'
+            self.act = ConcatArbitraryActivations(fc1_out, num_functions, base, channels_first=cf, **dd)
+            self.norm = norm_layer(hidden_features, **dd)
+        else:
+            self.act = _Activation(base)
+            self.norm = nn.Identity()
+        self.drop1 = nn.Dropout(drop_probs[0])
+        self.spatial = DepthwiseBlock(hidden_features, kernel_size, **dd) if spatial_part else None
+        self.fc2 = linear(hidden_features, out_features, bias[1])
+        self.norm_out = norm_layer(out_features, **dd)
+        self.drop2 = nn.Dropout(drop_probs[1])
+        self.init_weights()
+
+    @property
+    def grid_size(self) -> Optional[Tuple[int, int]]:
+        return self.layout.grid_size
+
+    def init_weights(self):
+        for m in (self.fc1, self.fc2):
+            nn.init.trunc_normal_(m.weight, std=.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        if hasattr(self.act, 'init_weights'):
+            self.act.init_weights()
+
+    def _spatial(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spatial is None:
+            return x
+        return apply_spatial(self.spatial, x, self.layout, type(self).__name__)  # prefix tokens bypass it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc1(x)
+        x = self.act(x)
+        x = self.drop1(x)
+        x = self.norm(x)
+        x = self._spatial(x)
+        x = self.fc2(x)
+        x = self.norm_out(x)
+        return self.drop2(x)
+
+    @torch.no_grad()
+    def fuse(self) -> 'IFFN':
+        """Switch to the inference form in place (BatchNorm folded into the depthwise conv) and
+        return self. Exact in eval mode; idempotent. Model level: ``vitblocks.reparameterize``."""
+        if self.spatial is not None:
+            self.spatial = self.spatial.fuse()
+        return self
+
+    def extra_repr(self) -> str:
+        return (f'hidden_features={self.hidden_features}, channel_part={self.channel_part}, '
+                f'spatial_part={self.spatial_part}, layout={self.layout}')
+
+
+class _Activation(nn.Module):
+    """A plain base activation by name (used when the channel part is off)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self._phi = BASE_ACTIVATIONS[name]
+
+    def forward(self, x):
+        return self._phi(x)
+
+    def extra_repr(self):
+        return self.name
+
+
+@register_ffn('sum_nonlinear')
+class SumOfNonlinearities(nn.Module):
+    """The "sum of 4C nonlinear functions" FFN replacement of IFFN Eq. 11 (Table 5).
+
+    Corollary 3.1 reads the FFN as, per output channel c, a weighted sum of C' nonlinear
+    functions of x_c. This module keeps only that: ``C' = hidden_features`` functions in total,
+    ``K = C' / C`` per channel, ``y_c = sum_k beta_ck * phi(alpha_ck * x_c + gamma_ck) + theta_ck``.
+    With ``arbitrary=False`` (Table 5's "phi = GeLU") there are no inner scales or shifts and
+    only the combination weights ``beta`` are learned: ``y_c = sum_k beta_ck * phi(x_c)``.
+    It mixes no channels, so ``out_features`` must equal ``in_features``.
+    """
+
+    def __init__(self, in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
+                 act_layer: Union[str, Type[nn.Module]] = 'gelu', arbitrary: bool = True,
+                 channels_first: bool = False, layout: Optional[TokenLayout] = None, device=None, dtype=None):
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        hidden_features = hidden_features or 4 * in_features
+        if out_features not in (None, in_features):
+            raise ValueError(f'SumOfNonlinearities is channel-wise: out_features ({out_features}) '
+                             f'must equal in_features ({in_features})')
+        if hidden_features % in_features:
+            raise ValueError(f'hidden_features={hidden_features} must be a multiple of in_features={in_features}')
+        self.channels_first = layout.channels_first if layout is not None else channels_first
+        self.arbitrary = arbitrary
+        if arbitrary:
+            self.act = ConcatArbitraryActivations(in_features, hidden_features // in_features, act_layer, **dd)
+        else:
+            self._phi = BASE_ACTIVATIONS[get_base_activation(act_layer)]
+            self.beta = nn.Parameter(torch.ones(hidden_features // in_features, in_features, **dd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_first:
+            x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C)
+        if self.arbitrary:
+            k, c = self.act.alpha.shape
+            y = self.act(x).unflatten(-1, (k, c)).sum(-2)  # (..., K*C) -> (..., K, C) -> (..., C)
+        else:
+            y = self._phi(x) * self.beta.sum(0)  # Eq. 11 with fixed phi: sum_k beta_ck * phi(x_c)
+        if self.channels_first:
+            y = y.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
+        return y

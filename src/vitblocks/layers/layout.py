@@ -1,0 +1,96 @@
+"""Token layout: how a layer that needs the 2-D grid finds it.
+
+Vision backbones hand their channel mixers tokens in one of two layouts:
+
+* tokens, ``(B, N, C)``: ViT/DeiT (``N = prefix + H*W``, prefix = class, distillation and
+  register tokens), Swin (``N = H*W``), MLP-Mixer (``N = H*W``);
+* channels-first maps, ``(B, C, H, W)``: PoolFormer / MetaFormer.
+
+A layer that mixes spatially (depthwise convs, pooling, spatial attention) must know the
+grid ``(H, W)`` and how many prefix tokens to leave alone. That knowledge lives in a
+:class:`TokenLayout`, which the surgery code (``vitblocks.models.surgery``) fills in and keeps
+up to date when the input resolution changes. The grid is never guessed from ``sqrt(N)``.
+"""
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ['TokenLayout', 'split_tokens', 'merge_tokens', 'check_grid', 'apply_spatial']
+
+
+@dataclass
+class TokenLayout:
+    """Where the spatial grid is inside a token tensor.
+
+    Args:
+        grid_size: ``(H, W)`` of the patch grid, or ``None`` when unknown (token input then
+            fails with a clear error; channels-first input carries its own grid).
+        num_prefix_tokens: leading tokens that are not on the grid (class, distillation,
+            register tokens); they bypass the spatial op.
+        channels_first: input is ``(B, C, H, W)`` instead of ``(B, N, C)``.
+
+    Several layers of one model may share a single instance (all blocks of a ViT see the
+    same grid), so updating it once per forward updates them all.
+    """
+    grid_size: Optional[Tuple[int, int]] = None
+    num_prefix_tokens: int = 0
+    channels_first: bool = False
+
+
+def check_grid(layout: TokenLayout, num_tokens: int, owner: str = 'layer') -> Tuple[int, int]:
+    """Return the grid for a token tensor with ``num_tokens`` tokens, or raise a clear error."""
+    if layout.grid_size is None:
+        raise ValueError(
+            f'{owner} received token input (B, N, C) but has no grid size; pass grid_size=(H, W) '
+            'when building the layer, or swap it into a model with vitblocks.swap_ffn, which tracks the grid.')
+    h, w = layout.grid_size
+    expected = layout.num_prefix_tokens + h * w
+    if num_tokens != expected:
+        raise ValueError(
+            f'{owner} got {num_tokens} tokens, but its layout expects {layout.num_prefix_tokens} prefix tokens '
+            f'+ a {h}x{w} grid = {expected}. Update layout.grid_size for this input resolution '
+            '(vitblocks.swap_ffn does this automatically for supported backbones).')
+    return h, w
+
+
+def split_tokens(x: torch.Tensor, layout: TokenLayout, owner: str = 'layer'):
+    """Split ``(B, N, C)`` tokens into prefix tokens and a channels-first map.
+
+    Returns ``(prefix, fmap)`` where ``prefix`` is ``(B, P, C)`` (or ``None``) and ``fmap`` is a
+    ``(B, C, H, W)`` *view* in channels-last memory order: no copy is made when the patch
+    tokens are contiguous, and convolutions run on it natively.
+    """
+    B, N, C = x.shape
+    h, w = check_grid(layout, N, owner)
+    p = layout.num_prefix_tokens
+    prefix = x[:, :p] if p else None
+    patches = x[:, p:] if p else x
+    fmap = patches.reshape(B, h, w, C).permute(0, 3, 1, 2)  # (B, H*W, C) -> (B, H, W, C) -> (B, C, H, W)
+    return prefix, fmap
+
+
+def merge_tokens(prefix: Optional[torch.Tensor], fmap: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`split_tokens`: ``(B, C, H, W)`` map (+ prefix) back to ``(B, N, C)``."""
+    B, C, H, W = fmap.shape
+    patches = fmap.permute(0, 2, 3, 1).reshape(B, H * W, C)  # (B, C, H, W) -> (B, H, W, C) -> (B, H*W, C)
+    if prefix is None:
+        return patches
+    return torch.cat([prefix, patches], dim=1)  # (B, P + H*W, C)
+
+
+def apply_spatial(fn, x: torch.Tensor, layout: TokenLayout, owner: str = 'layer') -> torch.Tensor:
+    """Apply a map-to-map op ``fn: (B, C, H, W) -> (B, C, H, W)`` to any supported layout.
+
+    * channels-first maps ``(B, C, H, W)`` go straight through;
+    * channels-last maps ``(B, H, W, C)`` (timm's NHWC MetaFormers) are viewed as ``(B, C, H, W)``;
+    * tokens ``(B, N, C)`` are split with :func:`split_tokens`; prefix tokens bypass ``fn``.
+    """
+    if layout.channels_first:
+        return fn(x)
+    if x.ndim == 4:
+        return fn(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H, W, C) -> (B, C, H, W) -> back
+    if x.ndim != 3:
+        raise ValueError(f'{owner} expects tokens (B, N, C) or a map, got shape {tuple(x.shape)}')
+    prefix, fmap = split_tokens(x, layout, owner)
+    return merge_tokens(prefix, fn(fmap))

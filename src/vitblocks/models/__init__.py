@@ -1,0 +1,4 @@
+"""Backbone knowledge: surgery (swap blocks into timm models) and registered variants."""
+from . import iffn  # noqa: F401  (registers the IFFN models)
+from .registry import VariantSpec, get_variant, list_models, register_variant, resolve_model_name
+from .surgery import SUPPORTED_FAMILIES, find_ffn_slots, swap_ffn

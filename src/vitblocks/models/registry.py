@@ -1,0 +1,94 @@
+"""Registered model variants: "build the timm backbone, swap, (load weights)".
+
+A variant is a timm base model name plus a block swap. ``register_variant`` turns it into a
+timm entry point named ``<method>[_<variant>]_<timm base name>``, so after ``import vitblocks``
+``timm.create_model('iffn_deit_tiny_patch16_224')`` works, checkpoints load through timm's
+``checkpoint_path=`` and data configs resolve from the base model's pretrained config.
+"""
+import difflib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import timm
+from timm.models import get_pretrained_cfg, register_model
+from torch import nn
+
+__all__ = ['register_variant', 'list_models', 'get_variant', 'VariantSpec', 'resolve_model_name']
+
+# pretrained-config fields copied from the timm base model (preprocessing, not weights)
+_CFG_KEYS = ('input_size', 'min_input_size', 'fixed_input_size', 'interpolation', 'crop_pct', 'crop_mode',
+             'mean', 'std', 'num_classes', 'first_conv', 'classifier')
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """How a registered model is built from a timm base model."""
+    name: str
+    method: str
+    base: str
+    build: Callable[[nn.Module, Dict[str, Any]], Any]  # (model, cfg) -> swaps blocks in place
+    cfg: Dict[str, Any] = field(default_factory=dict)  # block config, overridable at create time
+    base_kwargs: Dict[str, Any] = field(default_factory=dict)  # timm kwargs of the base model
+    description: str = ''
+
+
+_VARIANTS: Dict[str, VariantSpec] = {}
+
+
+def _entrypoint(spec: VariantSpec):
+    def create(pretrained: bool = False, block_cfg: Optional[Dict[str, Any]] = None, **kwargs) -> nn.Module:
+        if pretrained:
+            raise RuntimeError(f'{spec.name} has no published pretrained weights; train one with `vitblocks train` '
+                               f'or pass checkpoint_path= to timm.create_model')
+        for key in ('pretrained_cfg', 'pretrained_cfg_overlay', 'cache_dir'):
+            kwargs.pop(key, None)
+        model = timm.create_model(spec.base, pretrained=False, **{**spec.base_kwargs, **kwargs})
+        spec.build(model, {**spec.cfg, **(block_cfg or {})})
+        model.pretrained_cfg = model.default_cfg = _default_cfg(spec)
+        return model
+    create.__name__ = spec.name
+    create.__qualname__ = spec.name
+    create.__module__ = __name__
+    create.__doc__ = f'{spec.description or spec.name}: timm {spec.base} with {spec.method} blocks.'
+    return create
+
+
+default_cfgs: Dict[str, Dict[str, Any]] = {}  # read by timm's register_model
+
+
+def _default_cfg(spec: VariantSpec) -> Dict[str, Any]:
+    return dict(default_cfgs[spec.name], architecture=spec.name)
+
+
+def register_variant(spec: VariantSpec) -> VariantSpec:
+    """Register ``spec`` as a timm model. Never overwrites a timm name."""
+    if spec.name in _VARIANTS:
+        raise ValueError(f'model {spec.name!r} is already registered by vitblocks')
+    if spec.name in timm.list_models():
+        raise ValueError(f'{spec.name!r} is a timm model name; vitblocks names are <method>_<timm name>')
+    base_cfg = asdict(get_pretrained_cfg(spec.base))
+    default_cfgs[spec.name] = {k: base_cfg[k] for k in _CFG_KEYS if k in base_cfg}
+    _VARIANTS[spec.name] = spec
+    register_model(_entrypoint(spec))
+    return spec
+
+
+def get_variant(name: str) -> VariantSpec:
+    return _VARIANTS[resolve_model_name(name, vitblocks_only=True)]
+
+
+def list_models(pattern: str = '', method: Optional[str] = None) -> List[str]:
+    """Names of the models vitblocks registers, optionally filtered by substring or method."""
+    return sorted(n for n, s in _VARIANTS.items() if pattern in n and (method is None or s.method == method))
+
+
+def resolve_model_name(name: str, vitblocks_only: bool = False) -> str:
+    """Return ``name`` if it is a known model (vitblocks or timm), else raise with suggestions."""
+    known = set(_VARIANTS) if vitblocks_only else set(_VARIANTS) | set(timm.list_models())
+    base = name.split('.')[0]
+    if base in known:
+        return name
+    close = difflib.get_close_matches(base, sorted(known), n=3, cutoff=0.6)
+    hint = f' Did you mean: {", ".join(close)}?' if close else ' See `vitblocks list`.'
+    raise ValueError(f'unknown model {name!r}.{hint}')
+

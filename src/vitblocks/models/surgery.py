@@ -1,0 +1,141 @@
+"""Module surgery: put a registered FFN into the channel-mixer slots of timm backbones.
+
+This file holds the only backbone knowledge in vitblocks: for each supported timm family,
+where its channel MLPs are, what layout their input has, and how the 2-D grid is tracked
+when the input resolution changes.
+
+| family (timm class)           | slot                      | layout seen by the FFN                      |
+| ----------------------------- | ------------------------- | ------------------------------------------- |
+| VisionTransformer (ViT, DeiT, | ``blocks[i].mlp``         | tokens ``(B, P + H*W, C)``, P prefix tokens |
+| distilled DeiT, reg tokens)   |                           | (grid from the patch embedding)             |
+| SwinTransformer               | ``layers[s].blocks[i].mlp`` | tokens ``(B, H*W, C)`` (grid = block input) |
+| MetaFormer (PoolFormer)       | ``stages[s].blocks[i].mlp`` | channels-first ``(B, C, H, W)``           |
+| MlpMixer                      | ``blocks[i].mlp_channels``  | tokens ``(B, H*W, C)``; token MLPs untouched |
+"""
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import torch
+from timm.models.metaformer import MetaFormer
+from timm.models.mlp_mixer import MlpMixer
+from timm.models.swin_transformer import SwinTransformer
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from ..layers import TokenLayout, create_ffn
+
+__all__ = ['swap_ffn', 'find_ffn_slots', 'SUPPORTED_FAMILIES']
+
+SUPPORTED_FAMILIES = ('VisionTransformer', 'SwinTransformer', 'MetaFormer', 'MlpMixer')
+
+# A slot: (parent module, attribute name, qualified name, layout for the new FFN).
+Slot = Tuple[nn.Module, str, str, TokenLayout]
+
+
+def _track_patch_grid(patch_embed: nn.Module, args, output: torch.Tensor) -> None:
+    """Forward hook on a patch embedding: record the grid of this forward in the shared layout."""
+    layout = patch_embed._vitblocks_layout
+    if output.ndim == 4:  # dynamic_img_size: (B, H, W, C)
+        layout.grid_size = (output.shape[1], output.shape[2])
+    else:  # (B, H*W, C): fixed or padded size, computed from the image
+        layout.grid_size = tuple(patch_embed.dynamic_feat_size(tuple(args[0].shape[-2:])))
+
+
+def _track_block_grid(block: nn.Module, args) -> None:
+    """Forward pre-hook on a Swin block, whose input is ``(B, H, W, C)``."""
+    x = args[0]
+    block._vitblocks_layout.grid_size = (x.shape[1], x.shape[2])
+
+
+def _shared_patch_layout(patch_embed: nn.Module, num_prefix_tokens: int) -> TokenLayout:
+    """One layout for all blocks of a plain ViT/Mixer, kept current by a hook on the patch embed."""
+    layout = getattr(patch_embed, '_vitblocks_layout', None)
+    if layout is None:
+        layout = TokenLayout(tuple(patch_embed.grid_size), num_prefix_tokens)
+        patch_embed._vitblocks_layout = layout
+        patch_embed.register_forward_hook(_track_patch_grid)
+    return layout
+
+
+def _block_layout(block: nn.Module, grid_size) -> TokenLayout:
+    layout = getattr(block, '_vitblocks_layout', None)
+    if layout is None:
+        layout = TokenLayout(tuple(grid_size) if grid_size is not None else None, 0)
+        block._vitblocks_layout = layout
+        block.register_forward_pre_hook(_track_block_grid)
+    return layout
+
+
+def find_ffn_slots(model: nn.Module) -> List[Slot]:
+    """List the channel-MLP slots of a supported timm model (empty list if unsupported)."""
+    slots: List[Slot] = []
+    if isinstance(model, VisionTransformer):
+        layout = _shared_patch_layout(model.patch_embed, model.num_prefix_tokens)
+        for i, blk in enumerate(model.blocks):
+            slots.append((blk, 'mlp', f'blocks.{i}.mlp', layout))
+    elif isinstance(model, SwinTransformer):
+        for s, stage in enumerate(model.layers):
+            for i, blk in enumerate(stage.blocks):
+                slots.append((blk, 'mlp', f'layers.{s}.blocks.{i}.mlp',
+                              _block_layout(blk, getattr(blk, 'input_resolution', None))))
+    elif isinstance(model, MetaFormer):
+        for s, stage in enumerate(model.stages):
+            for i, blk in enumerate(stage.blocks):
+                channels_first = isinstance(blk.mlp.fc1, nn.Conv2d)
+                # channels-last MetaFormers (ConvFormer/CAFormer) feed (B, H, W, C) maps
+                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, channels_first)))
+    elif isinstance(model, MlpMixer):
+        layout = _shared_patch_layout(model.stem, 0)
+        for i, blk in enumerate(model.blocks):
+            slots.append((blk, 'mlp_channels', f'blocks.{i}.mlp_channels', layout))
+    return slots
+
+
+def _mlp_dims(mlp: nn.Module) -> Tuple[int, int, int, bool]:
+    """(in, hidden, out, bias) of a timm Mlp-like module (Linear or 1x1-conv fc1/fc2)."""
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    dims = lambda m: (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.in_channels, m.out_channels)
+    (c_in, hidden), (_, c_out) = dims(fc1), dims(fc2)
+    return c_in, hidden, c_out, fc1.bias is not None
+
+
+def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
+             include: Optional[Callable[[str], bool]] = None, **cfg) -> int:
+    """Replace the channel MLPs of a timm model with the FFN registered as ``name``.
+
+    Args:
+        model: a timm model of a supported family (see ``SUPPORTED_FAMILIES``); changed in place.
+        name: registered FFN name (``vitblocks.layers.list_ffns()``), e.g. 'iffn'.
+        mlp_ratio: hidden width relative to the input width; default keeps the original width.
+        include: optional predicate on the slot's qualified name (e.g. ``'blocks.3.mlp'``)
+            selecting which slots to replace.
+        **cfg: constructor arguments of the FFN (``kernel_size=5``, ``act_layer='silu'``, ...).
+
+    Returns:
+        The number of modules replaced. New modules are freshly initialized, on the device and
+        dtype of the module they replace, in the model's current train/eval mode.
+
+    Raises:
+        ValueError: if the model has no supported slot (or ``include`` selected none).
+    """
+    slots = find_ffn_slots(model)
+    if not slots:
+        raise ValueError(f'swap_ffn found no channel MLP in {type(model).__name__}; supported timm families: '
+                         f'{", ".join(SUPPORTED_FAMILIES)}')
+    count = 0
+    for parent, attr, qualname, layout in slots:
+        if include is not None and not include(qualname):
+            continue
+        old = getattr(parent, attr)
+        c_in, hidden, c_out, bias = _mlp_dims(old)
+        if mlp_ratio is not None:
+            hidden = int(round(c_in * mlp_ratio))
+        ref = old.fc1.weight
+        kwargs = dict(bias=bias, **cfg)
+        new = create_ffn(name, c_in, hidden, c_out, layout=layout, device=ref.device, dtype=ref.dtype, **kwargs)
+        new.train(old.training)
+        setattr(parent, attr, new)
+        count += 1
+    if count == 0:
+        raise ValueError(f'swap_ffn: include= selected none of the {len(slots)} slots of {type(model).__name__} '
+                         f'(e.g. {slots[0][2]!r})')
+    return count
