@@ -1,0 +1,139 @@
+"""IFFN layers: activations, structure per the paper, layouts, errors."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitblocks.layers import AGeLU, ArbitraryActivation, ConcatArbitraryActivations, IFFN, SumOfNonlinearities
+
+
+def _randomize(module: nn.Module):
+    """Move every parameter and BN statistic away from its (identity-like) default."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.normal_(0, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+
+
+def test_agelu_at_init_equals_gelu():
+    x = torch.randn(4, 10, 16) * 3
+    torch.testing.assert_close(AGeLU(16)(x), F.gelu(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('base,fn', [('softplus', F.softplus), ('elu', F.elu), ('silu', F.silu), ('relu', F.relu)])
+def test_arbitrary_activation_formula(base, fn):
+    act = ArbitraryActivation(8, base)
+    _randomize(act)
+    x = torch.randn(3, 8)
+    expected = act.beta * fn(act.alpha * x + act.gamma) + act.theta  # Eq. 3
+    torch.testing.assert_close(act(x), expected)
+
+
+def test_concatenated_activations_equal_separate_copies():
+    cat = ConcatArbitraryActivations(6, num_functions=3)
+    _randomize(cat)
+    x = torch.randn(2, 5, 6)
+    parts = []
+    for i in range(3):
+        a = AGeLU(6)
+        with torch.no_grad():
+            for name in ('alpha', 'gamma', 'beta', 'theta'):
+                getattr(a, name).copy_(getattr(cat, name)[i])
+        parts.append(a(x))
+    torch.testing.assert_close(cat(x), torch.cat(parts, dim=-1))
+    # channels-first gives the same numbers
+    cat_cf = ConcatArbitraryActivations(6, num_functions=3, channels_first=True)
+    cat_cf.load_state_dict(cat.state_dict())
+    xm = x.reshape(2, 5, 6, 1).permute(0, 2, 1, 3)  # (B, N, C) -> (B, C, N, 1)
+    torch.testing.assert_close(cat_cf(xm).permute(0, 2, 3, 1).reshape(2, 5, 18), cat(x))
+
+
+def _iffn_block_params(c, hidden, k, n_fn=2, channel=True, spatial=True):
+    """Parameter count of one IFFN block, written from the paper's description."""
+    fc1_out = hidden // n_fn if channel else hidden
+    total = c * fc1_out + fc1_out  # fc1
+    if channel:
+        total += 4 * fc1_out * n_fn  # alpha, gamma, beta, theta per channel per function
+        total += 2 * hidden  # LayerNorm(C')
+    if spatial:
+        total += hidden * k * k + hidden  # depthwise conv with bias
+        total += 2 * hidden  # BatchNorm affine
+    total += hidden * c + c  # fc2
+    total += 2 * c  # output LayerNorm(C)
+    return total
+
+
+@pytest.mark.parametrize('cfg', [dict(), dict(kernel_size=5), dict(kernel_size=1), dict(num_functions=4),
+                                 dict(spatial_part=False), dict(channel_part=False)])
+def test_parameter_count_matches_structure(cfg):
+    ffn = IFFN(192, 768, grid_size=(14, 14), **cfg)
+    expected = _iffn_block_params(192, 768, cfg.get('kernel_size', 3), cfg.get('num_functions', 2),
+                                  cfg.get('channel_part', True), cfg.get('spatial_part', True))
+    assert sum(p.numel() for p in ffn.parameters()) == expected
+
+
+def test_prefix_tokens_bypass_spatial_part():
+    torch.manual_seed(1)
+    ffn = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2).eval()
+    _randomize(ffn)
+    no_spatial = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2, spatial_part=False).eval()
+    no_spatial.load_state_dict({k: v for k, v in ffn.state_dict().items() if not k.startswith('spatial')})
+    x = torch.randn(2, 2 + 12, 16)
+    y, y_plain = ffn(x), no_spatial(x)
+    torch.testing.assert_close(y[:, :2], y_plain[:, :2])  # prefix tokens: per-token path only
+    assert (y[:, 2:] - y_plain[:, 2:]).abs().max() > 1e-3  # patch tokens: spatial part active
+    x2 = x.clone()
+    x2[:, 2:] += torch.randn_like(x2[:, 2:])
+    torch.testing.assert_close(ffn(x2)[:, :2], y[:, :2])  # patches never leak into prefix tokens
+
+
+def test_spatial_part_sees_the_grid_not_the_sequence():
+    """A token's output depends on its 2-D neighbours: the token below it (index + W) matters."""
+    ffn = IFFN(8, 32, grid_size=(3, 5)).eval()
+    _randomize(ffn)
+    x = torch.randn(1, 15, 8)
+    x2 = x.clone()
+    x2[0, 7] += 1.0  # grid position (1, 2)
+    diff = (ffn(x2) - ffn(x)).abs().sum(-1)[0]
+    changed = set(torch.nonzero(diff > 1e-6).flatten().tolist())
+    assert changed == {1, 2, 3, 6, 7, 8, 11, 12, 13}  # the 3x3 neighbourhood of (1, 2)
+
+
+def test_token_and_channels_first_layouts_agree():
+    tok = IFFN(16, 64, grid_size=(4, 6)).eval()
+    _randomize(tok)
+    cf = IFFN(16, 64, channels_first=True).eval()
+    state = {k: (v.reshape(*v.shape, 1, 1) if k in ('fc1.weight', 'fc2.weight') else v)
+             for k, v in tok.state_dict().items()}
+    cf.load_state_dict(state)
+    x = torch.randn(2, 24, 16)
+    xm = x.reshape(2, 4, 6, 16).permute(0, 3, 1, 2)  # (B, N, C) -> (B, C, H, W)
+    torch.testing.assert_close(cf(xm).permute(0, 2, 3, 1).reshape(2, 24, 16), tok(x), rtol=1e-5, atol=1e-5)
+    # channels-last maps (B, H, W, C) are accepted by the token-layout layer as well
+    torch.testing.assert_close(tok(x.reshape(2, 4, 6, 16)).reshape(2, 24, 16), tok(x), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_configs_raise_specific_errors():
+    with pytest.raises(ValueError, match='not divisible by num_functions=5'):
+        IFFN(16, 64, num_functions=5)
+    with pytest.raises(ValueError, match='positive odd'):
+        IFFN(16, 64, kernel_size=4)
+    with pytest.raises(ValueError, match='unknown base activation'):
+        IFFN(16, 64, act_layer='tanhh')
+
+
+def test_sum_of_nonlinearities_is_channelwise():
+    m = SumOfNonlinearities(8, 32)
+    _randomize(m)
+    x = torch.randn(2, 5, 8)
+    x2 = x.clone()
+    x2[..., 3] += 1
+    changed = (m(x2) - m(x)).abs().sum((0, 1)) > 0
+    assert changed.tolist() == [i == 3 for i in range(8)]
+    plain = SumOfNonlinearities(8, 32, arbitrary=False)
+    torch.testing.assert_close(plain(x), 4 * F.gelu(x))  # beta = 1 at init: 4 GELUs per channel
+    with pytest.raises(ValueError, match='must equal in_features'):
+        SumOfNonlinearities(8, 32, out_features=4)

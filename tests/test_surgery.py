@@ -1,0 +1,114 @@
+"""swap_ffn on every supported timm family: counts, layouts, grids, errors."""
+import pytest
+import timm
+import torch
+from torch import nn
+
+import vitblocks
+from vitblocks.layers import IFFN
+
+FAMILIES = [  # (timm name, kwargs, expected slots)
+    ('deit_tiny_patch16_224', {}, 12),
+    ('deit_tiny_distilled_patch16_224', {}, 12),
+    ('vit_small_patch14_reg4_dinov2', dict(img_size=56), 12),
+    ('swin_tiny_patch4_window7_224', {}, 12),
+    ('poolformer_s12', {}, 12),
+    ('mixer_s16_224', {}, 8),
+]
+
+
+@pytest.mark.parametrize('name,kwargs,expected', FAMILIES)
+def test_swap_counts(name, kwargs, expected):
+    model = timm.create_model(name, **kwargs)
+    n_before = sum(isinstance(m, nn.Module) and type(m).__name__ == 'Mlp' for m in model.modules())
+    assert vitblocks.swap_ffn(model, 'iffn') == expected
+    assert sum(isinstance(m, IFFN) for m in model.modules()) == expected
+    n_after = sum(type(m).__name__ == 'Mlp' for m in model.modules())
+    assert n_before - n_after == expected  # Mixer keeps its token MLPs
+
+
+def test_swap_sets_prefix_tokens_and_grid():
+    model = timm.create_model('vit_small_patch14_reg4_dinov2', img_size=56, num_classes=10)
+    vitblocks.swap_ffn(model, 'iffn')
+    layout = model.blocks[0].mlp.layout
+    assert layout.num_prefix_tokens == 5  # class + 4 registers
+    assert layout.grid_size == (4, 4)
+    assert layout is model.blocks[-1].mlp.layout  # one shared layout per ViT
+    assert model(torch.randn(1, 3, 56, 56)).shape == (1, 10)
+
+
+def test_poolformer_is_channels_first():
+    model = timm.create_model('poolformer_s12')
+    vitblocks.swap_ffn(model, 'iffn')
+    mlp = model.stages[0].blocks[0].mlp
+    assert mlp.layout.channels_first and isinstance(mlp.fc1, nn.Conv2d)
+    assert model(torch.randn(1, 3, 64, 96)).shape == (1, 1000)
+
+
+def test_non_square_dynamic_deit():
+    model = timm.create_model('deit_tiny_patch16_224', dynamic_img_size=True, num_classes=3)
+    vitblocks.swap_ffn(model, 'iffn')
+    out = model(torch.randn(2, 3, 224, 160))
+    assert out.shape == (2, 3)
+    assert model.blocks[0].mlp.grid_size == (14, 10)
+    model(torch.randn(1, 3, 96, 128))  # grid follows every forward
+    assert model.blocks[0].mlp.grid_size == (6, 8)
+
+
+def test_swin_at_another_resolution():
+    model = timm.create_model('swin_tiny_patch4_window7_224', img_size=(256, 192), num_classes=3)
+    vitblocks.swap_ffn(model, 'iffn')
+    assert model(torch.randn(1, 3, 256, 192)).shape == (1, 3)
+    assert model.layers[0].blocks[0].mlp.grid_size == (64, 48)
+    assert model.layers[3].blocks[1].mlp.grid_size == (8, 6)
+
+
+def test_forward_features_tracks_grid_too():
+    model = timm.create_model('deit_tiny_patch16_224', dynamic_img_size=True)
+    vitblocks.swap_ffn(model, 'iffn')
+    assert model.forward_features(torch.randn(1, 3, 64, 32)).shape == (1, 1 + 4 * 2, 192)
+
+
+def test_mismatched_grid_raises_clear_error():
+    ffn = IFFN(32, 128, grid_size=(4, 4), num_prefix_tokens=1)
+    with pytest.raises(ValueError, match=r'got 20 tokens.*1 prefix tokens \+ a 4x4 grid = 17'):
+        ffn(torch.randn(1, 20, 32))
+    with pytest.raises(ValueError, match='has no grid size'):
+        IFFN(32, 128)(torch.randn(1, 16, 32))
+
+
+def test_swap_errors():
+    with pytest.raises(ValueError, match='found no channel MLP in Sequential'):
+        vitblocks.swap_ffn(nn.Sequential(nn.Linear(2, 2)), 'iffn')
+    model = timm.create_model('deit_tiny_patch16_224')
+    with pytest.raises(ValueError, match="unknown FFN 'ifn'; did you mean iffn"):
+        vitblocks.swap_ffn(model, 'ifn')
+    with pytest.raises(ValueError, match='selected none'):
+        vitblocks.swap_ffn(model, 'iffn', include=lambda name: False)
+
+
+def test_include_and_mlp_ratio():
+    model = timm.create_model('deit_tiny_patch16_224')
+    n = vitblocks.swap_ffn(model, 'iffn', include=lambda name: name in ('blocks.0.mlp', 'blocks.11.mlp'),
+                           mlp_ratio=2, kernel_size=5)
+    assert n == 2
+    assert model.blocks[0].mlp.hidden_features == 384 and model.blocks[0].mlp.fc1.out_features == 192
+    assert type(model.blocks[1].mlp).__name__ == 'Mlp'
+
+
+def test_swap_keeps_mode_device_dtype():
+    model = timm.create_model('deit_tiny_patch16_224').eval().double()
+    vitblocks.swap_ffn(model, 'mlp', act_layer='softplus')
+    mlp = model.blocks[0].mlp
+    assert not mlp.training and mlp.fc1.weight.dtype == torch.float64
+    assert isinstance(mlp.act, nn.Softplus)
+
+
+def test_deepcopy_keeps_grid_tracking_separate():
+    import copy
+    model = timm.create_model('deit_tiny_patch16_224', dynamic_img_size=True)
+    vitblocks.swap_ffn(model, 'iffn')
+    clone = copy.deepcopy(model)
+    clone(torch.randn(1, 3, 64, 48))
+    assert clone.blocks[0].mlp.grid_size == (4, 3)
+    assert model.blocks[0].mlp.grid_size == (14, 14)
