@@ -5,7 +5,8 @@ from torch import nn
 from .activations import get_base_activation
 from .registry import register_ffn
 
-_ACT_CLASSES = {'gelu': nn.GELU, 'softplus': nn.Softplus, 'elu': nn.ELU, 'silu': nn.SiLU, 'relu': nn.ReLU}
+_ACT_CLASSES = {'gelu': nn.GELU, 'softplus': nn.Softplus, 'elu': nn.ELU, 'silu': nn.SiLU, 'swish': nn.SiLU,
+                'relu': nn.ReLU}
 
 
 @register_ffn('mlp')

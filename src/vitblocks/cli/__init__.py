@@ -1,0 +1,67 @@
+"""The ``vitblocks`` command line: ``vitblocks <command> --help`` for each command.
+
+Each command is one module with ``add_parser(subparsers)`` and ``run(args) -> exit code``.
+User errors (unknown model, paper, table, bad argument) print one line on stderr and exit 2.
+"""
+import argparse
+import sys
+import textwrap
+from typing import List, Optional
+
+from . import bench, compare, list_models, profile_model
+from .common import ArgumentParser, CliError
+
+__all__ = ['main', 'build_parser']
+
+COMMANDS = (compare, profile_model, bench, list_models)
+
+EPILOG = """\
+examples:
+  vitblocks compare                      # ours vs the papers' published params/GMACs
+  vitblocks profile iffn_deit_tiny_patch16_224
+  vitblocks bench iffn_deit_tiny_patch16_224 --baseline deit_tiny_patch16_224
+  vitblocks list --params
+"""
+
+
+def build_parser() -> ArgumentParser:
+    from .. import __version__
+    parser = ArgumentParser(prog='vitblocks', description='Vision-transformer blocks for timm: compare with the '
+                            'papers, profile, benchmark.', epilog=EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--version', action='version', version=f'vitblocks {__version__}')
+    sub = parser.add_subparsers(dest='command', metavar='COMMAND', required=True)
+    for cmd in COMMANDS:
+        cmd.add_parser(_Subparsers(sub))
+    return parser
+
+
+class _Subparsers:
+    """Gives every subcommand the raw-description help formatter (epilog examples keep their lines)."""
+
+    def __init__(self, sub):
+        self._sub = sub
+
+    def add_parser(self, name, **kwargs):
+        kwargs.setdefault('formatter_class', argparse.RawDescriptionHelpFormatter)
+        if 'description' in kwargs:  # the raw formatter does not wrap it
+            kwargs['description'] = textwrap.fill(kwargs['description'], 90)
+        return self._sub.add_parser(name, **kwargs)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run ``vitblocks`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help / --version (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else 0
+    try:
+        return args.run(args)
+    except CliError as e:
+        message = ' '.join(line.strip() for line in str(e).splitlines())  # always one line
+        print(f'vitblocks {args.command}: error: {message}', file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f'vitblocks {args.command}: interrupted', file=sys.stderr)
+        return 130

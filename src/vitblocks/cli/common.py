@@ -1,0 +1,136 @@
+"""Shared CLI helpers: errors, the argument parser, building models by name, aligned tables."""
+import argparse
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+import timm
+import yaml
+from torch import nn
+
+from ..models import get_variant, list_models, resolve_model_name, swap_ffn
+
+__all__ = ['CliError', 'ArgumentParser', 'resolve', 'is_vitblocks_model', 'build_model', 'describe_model',
+           'format_cfg', 'parse_block_cfg', 'positive_int', 'non_negative_int', 'render_table', 'progress',
+           'end_progress']
+
+
+class CliError(Exception):
+    """A user error: printed as one line on stderr, exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (``vitblocks bench: error: ... (see --help)``), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f'{self.prog}: error: {message} (see `{self.prog} --help`)\n')
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise argparse.ArgumentTypeError(f'expected an integer >= {low}, got {text!r}')
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def resolve(name: str) -> str:
+    """The model name if timm or vitblocks knows it, else a CliError with a did-you-mean hint."""
+    try:
+        return resolve_model_name(name)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def is_vitblocks_model(name: str) -> bool:
+    return name.split('.')[0] in list_models()
+
+
+def parse_block_cfg(items: Optional[Sequence[str]]) -> Dict[str, Any]:
+    """``['kernel_size=7', 'spatial_part=false']`` -> ``{'kernel_size': 7, 'spatial_part': False}`` (YAML values)."""
+    cfg: Dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = item.partition('=')
+        if not sep or not key:
+            raise CliError(f'--block-cfg expects KEY=VALUE, got {item!r} (e.g. --block-cfg kernel_size=7)')
+        cfg[key.strip()] = yaml.safe_load(value)
+    return cfg
+
+
+def format_cfg(cfg: Dict[str, Any]) -> str:
+    return ' '.join(f'{k}={v}' for k, v in cfg.items())
+
+
+def build_model(name: str, block_cfg: Optional[Dict[str, Any]] = None, base_kwargs: Optional[Dict[str, Any]] = None,
+                ffn: Optional[str] = None) -> nn.Module:
+    """Build a model the way a paper row or the command line describes it (random init, CPU).
+
+    ``ffn``: swap that registered FFN into the model with ``block_cfg`` as its config;
+    otherwise ``block_cfg`` overrides a vitblocks model's block config.
+    """
+    name = resolve(name)
+    block_cfg, base_kwargs = dict(block_cfg or {}), dict(base_kwargs or {})
+    if block_cfg and not ffn and not is_vitblocks_model(name):
+        raise CliError(f'a block config applies to vitblocks models only; {name} is a timm model '
+                       f'(vitblocks models: `vitblocks list`)')
+    what = f'{name}' + (f' with {ffn}' if ffn else '') + (f' ({format_cfg(block_cfg)})' if block_cfg else '')
+    try:
+        if ffn:
+            model = timm.create_model(name, **base_kwargs)
+            swap_ffn(model, ffn, **block_cfg)
+        elif block_cfg:
+            model = timm.create_model(name, block_cfg=block_cfg, **base_kwargs)
+        else:
+            model = timm.create_model(name, **base_kwargs)
+    except (TypeError, ValueError, KeyError, RuntimeError) as e:
+        raise CliError(f'cannot build {what}: {type(e).__name__}: {e}') from None
+    return model.eval()
+
+
+def describe_model(name: str, block_cfg: Optional[Dict[str, Any]] = None) -> str:
+    """One line saying what ``name`` is: a timm model, or which vitblocks variant of which base."""
+    base = name.split('.')[0]
+    if not is_vitblocks_model(base):
+        return f'timm model {name}'
+    spec = get_variant(base)
+    cfg = {**spec.cfg, **(block_cfg or {})}
+    return f'vitblocks {spec.method} variant of timm {spec.base}; block config: {format_cfg(cfg) or "default"}'
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str, fmt: str = 'text',
+                 indent: str = '') -> List[str]:
+    """Lines of an aligned table. ``align``: one 'l' or 'r' per column; ``fmt``: 'text' or 'md'."""
+    cells = [[str(h) for h in headers]] + [['' if c is None else str(c) for c in r] for r in rows]
+    if fmt == 'md':
+        esc = lambda s: s.replace('|', '\\|')
+        lines = ['| ' + ' | '.join(esc(c) for c in cells[0]) + ' |',
+                 '|' + '|'.join(' ---: ' if a == 'r' else ' --- ' for a in align) + '|']
+        return lines + ['| ' + ' | '.join(esc(c) for c in r) + ' |' for r in cells[1:]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    out = []
+    for r in cells:
+        parts = [c.rjust(w) if a == 'r' else c.ljust(w) for c, w, a in zip(r, widths, align)]
+        out.append((indent + '  '.join(parts)).rstrip())
+    return out
+
+
+def progress(message: str) -> None:
+    """A transient progress line on an interactive stderr (nothing when redirected)."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f'\r\033[K{message}')
+        sys.stderr.flush()
+
+
+def end_progress() -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write('\r\033[K')
+        sys.stderr.flush()

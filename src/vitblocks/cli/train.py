@@ -1,0 +1,109 @@
+"""`vitblocks train --model NAME --data PATH|NAME [--config RECIPE] [KEY=VALUE ...]`."""
+from pathlib import Path
+
+from ..data import DataError
+from ..experiments import (CheckpointError, ConfigError, TrainingDiverged, list_recipes, load_config, load_recipe,
+                           merge, parse_overrides, train)
+from .common import CliError, positive_int
+
+NAME = 'train'
+
+EPILOG = """\
+examples:
+  vitblocks train --model vit_tiny_patch16_224 --data /path/to/mnist --config ninformer --epochs 1 \\
+      model_kwargs='{img_size: 28, patch_size: 4, in_chans: 1}'
+  vitblocks train --model iffn_deit_tiny_patch16_224 --data /path/to/imagenet --config deit
+  vitblocks train --resume runs/vit_tiny_patch16_224-mnist-ninformer          # after a crash or kill
+  torchrun --nproc_per_node 2 $(which vitblocks) train --model ... --data ... --config ninformer
+
+--data is a folder of WebDataset shards (.tar/.tar.gz), a shard pattern, a torchvision
+CIFAR/MNIST folder, an ImageNet train/val folder or any ImageFolder tree, or a dataset NAME
+looked up under $VITBLOCKS_DATA. Trailing KEY=VALUE pairs override any config key (YAML
+values; see vitblocks/experiments/config.py). The run folder (--output/--name) receives
+config.yaml, last.pth / best.pth (atomic), metrics.csv, results.json and tensorboard/.
+"""
+
+# keys a resumed run may change without breaking exact continuation of its trajectory
+RESUME_CHANGEABLE = {'epochs', 'max_steps', 'workers', 'threads', 'progress', 'log_interval', 'checkpoint_interval',
+                     'eval_interval', 'tensorboard', 'device'}
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(NAME, help='train a model on a dataset with a recipe (resumable, DDP via torchrun)',
+                              description='Train a timm or vitblocks model. Recipes: ' + ', '.join(list_recipes()),
+                              epilog=EPILOG)
+    p.add_argument('--model', help='timm or vitblocks model name')
+    p.add_argument('--data', help='dataset path or name (see below)')
+    p.add_argument('--config', metavar='RECIPE', help=f'recipe name ({", ".join(list_recipes())}) or YAML file')
+    p.add_argument('--epochs', type=positive_int)
+    p.add_argument('--batch-size', type=positive_int, help='per process')
+    p.add_argument('--lr', type=float, help='peak learning rate (default: the recipe\'s lr_base scaling)')
+    p.add_argument('--max-steps', type=positive_int, help='stop after this many optimizer steps')
+    p.add_argument('--train-subset', type=positive_int, metavar='N', help='train on a fixed random N images')
+    p.add_argument('--device', help="'cpu', 'cuda', 'cuda:1' (default: cuda if available)")
+    p.add_argument('--threads', type=positive_int, help='torch CPU threads')
+    p.add_argument('--workers', type=int, help='DataLoader worker processes (PIL pipeline)')
+    p.add_argument('--seed', type=int)
+    p.add_argument('--output', help='parent folder of run folders (default runs)')
+    p.add_argument('--name', help='run folder name (default <model>-<data>-<recipe>)')
+    p.add_argument('--compile', action='store_true', default=None, help='torch.compile the model')
+    p.add_argument('--no-amp', dest='amp', action='store_false', default=None, help='no autocast on CUDA')
+    p.add_argument('--resume', metavar='RUN', help='continue the run in this folder (or from this last.pth)')
+    p.add_argument('overrides', nargs='*', metavar='KEY=VALUE', help='config overrides, e.g. lr=5e-4 hflip=0')
+    p.set_defaults(run=run)
+
+
+def _flag_overrides(args) -> dict:
+    out = {}
+    for flag, key in (('model', 'model'), ('data', 'data'), ('epochs', 'epochs'), ('batch_size', 'batch_size'),
+                      ('lr', 'lr'), ('max_steps', 'max_steps'), ('train_subset', 'train_subset'), ('device', 'device'),
+                      ('threads', 'threads'), ('workers', 'workers'), ('seed', 'seed'), ('output', 'output'),
+                      ('name', 'name'), ('compile', 'compile'), ('amp', 'amp')):
+        value = getattr(args, flag)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def build_config(args):
+    """(config, resume checkpoint or None) from the command line."""
+    overrides = {**parse_overrides(args.overrides), **_flag_overrides(args)}
+    if args.resume:
+        run = Path(args.resume)
+        run_dir = run.parent if run.is_file() else run
+        ckpt = run if run.is_file() else run / 'last.pth'
+        if not (run_dir / 'config.yaml').is_file():
+            raise CliError(f'--resume {args.resume}: no config.yaml there; point to a vitblocks run folder')
+        saved = load_config(run_dir / 'config.yaml')
+        changed = sorted(k for k, v in overrides.items() if k not in RESUME_CHANGEABLE and getattr(saved, k) != v)
+        if changed:
+            raise CliError(f'--resume keeps the run\'s config; cannot change {", ".join(changed)} (only '
+                           f'{", ".join(sorted(RESUME_CHANGEABLE))}); start a new run instead')
+        if args.config:
+            raise CliError('--resume takes the recipe from the run folder; drop --config')
+        return merge(saved.to_dict(), overrides), ckpt
+    if not args.model or not args.data:
+        raise CliError('--model and --data are required (or --resume RUN)')
+    recipe = load_recipe(args.config) if args.config else {}
+    return merge(recipe, overrides), None
+
+
+def run(args) -> int:
+    try:
+        cfg, resume = build_config(args)
+        result = train(cfg, resume=resume)
+    except (ConfigError, DataError, CheckpointError) as e:
+        raise CliError(str(e)) from None
+    except TrainingDiverged as e:
+        import sys
+        print(f'vitblocks train: stopped: {e}', file=sys.stderr)
+        return 1
+    f = result.final
+    print(f'run      {result.run_dir}')
+    print(f'trained  {result.global_step} steps ({result.epochs_done:.2f} epochs) in {result.seconds:.0f} s')
+    if f is not None:
+        print(f'final    top-1 {f.top1:.2f}%  top-5 {f.top5:.2f}%  loss {f.loss:.4f}  on {f.num_images} images')
+    if result.final_ema is not None:
+        print(f'EMA      top-1 {result.final_ema.top1:.2f}%  top-5 {result.final_ema.top5:.2f}%')
+    print(f'best     top-1 {result.best_top1:.2f}%  ({result.run_dir / "best.pth"})')
+    return 0
