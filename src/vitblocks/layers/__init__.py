@@ -4,3 +4,4 @@ from .baselines import timm_mlp
 from .iffn import IFFN, DepthwiseBlock, SumOfNonlinearities
 from .layout import TokenLayout, apply_spatial, check_grid, merge_tokens, split_tokens
 from .registry import FFN_REGISTRY, create_ffn, list_ffns, register_ffn
+from .repa import RePaDeployedFFN, RePaFFN, TokenBatchNorm, active_channels, repa_ffn

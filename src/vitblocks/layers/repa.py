@@ -1,0 +1,341 @@
+"""RePa: the channel-idle FFN of "RePaFormer: Ferocious and Scalable Acceleration of MetaFormers
+via Structural Reparameterization", as a *residual unit*, and its deployed (folded) form.
+
+Training form (paper Eq. 3, with the details of the authors' code)::
+
+    h = fc1(BN_in(x))                                  # BN_in replaces the block's pre-FFN LayerNorm
+    a = concat(GELU(h[:K]), h[K:])                     # only the first K hidden channels are activated
+    z = x * r + drop_path(gamma * fc2(BN_hidden(a)))   # the shortcut lives inside the unit
+
+with ``H = hidden_features = rho * C``, idle ratio ``theta = 1 - mu / rho`` and
+``K = ceil(H * (1 - theta))`` active channels (``mu * C`` in the paper). ``gamma`` is an
+optional layer-scale (PoolFormer), ``r`` an optional residual scale (MetaFormer ``res_scale``;
+1 everywhere in the paper). The unit owns the pre-norm and the shortcut because Eq. 6 folds
+the identity into the merged matrix; ``vitblocks.models.swap_residual_ffn`` rewires the block.
+
+Deployed form (Eq. 5-7; :class:`RePaDeployedFFN`), exact in eval mode::
+
+    z = x @ W~ + act(x @ W~in[:, :K]) @ W~out[:K, :]   # W~ = W~in[:, K:] W~out[K:, :] + diag(r)  (Eq. 6)
+
+Both BatchNorms, the layer-scale (weight *and* bias) and every bias are folded; the folded
+biases of the linear path and of fc2 end up in one bias of the merged C x C layer. Per FFN
+the weights shrink from ``2 H C`` to ``(2 K + C) C``, i.e. to ``1 - theta + 1 / (2 rho)``
+(Sec. 4.3). Edge cases: ``theta = 1`` (K = 0) leaves a single C x C linear layer;
+``theta = 0`` has no linear path, only the identity plus a bias.
+"""
+import math
+from numbers import Real
+from typing import Optional, Type, Union
+
+import torch
+import torch.nn.functional as F
+from timm.layers import DropPath, to_2tuple
+from torch import nn
+
+from .activations import _MODULE_ACTIVATIONS, get_base_activation
+from .layout import TokenLayout
+
+__all__ = ['RePaFFN', 'RePaDeployedFFN', 'TokenBatchNorm', 'active_channels', 'check_idle_ratio', 'repa_ffn']
+
+
+def check_idle_ratio(idle_ratio) -> float:
+    """Validate theta: a real number in [0, 1]."""
+    if isinstance(idle_ratio, bool) or not isinstance(idle_ratio, Real) or not 0. <= float(idle_ratio) <= 1.:
+        raise ValueError(
+            f'idle_ratio (theta, the fraction of hidden channels that skip the activation) must be a number '
+            f'in [0, 1], got {idle_ratio!r}; the paper uses 0.75 (Table 4 sweeps 0, 0.25, 0.5, 0.75, 1)')
+    return float(idle_ratio)
+
+
+def active_channels(hidden_features: int, idle_ratio: float) -> int:
+    """K = ceil(H * (1 - theta)): the number of leading hidden channels that go through the activation."""
+    theta = check_idle_ratio(idle_ratio)
+    # round first, so that e.g. 100 * (1 - 0.7) = 30.000000000000004 gives 30, not 31
+    return min(hidden_features, math.ceil(round(hidden_features * (1. - theta), 9)))
+
+
+def _activation_module(act_layer) -> nn.Module:
+    if isinstance(act_layer, type):
+        get_base_activation(act_layer)  # validates
+        return act_layer()
+    return _MODULE_ACTIVATIONS[get_base_activation(act_layer)]()
+
+
+class TokenBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm over the last (channel) dim of a ``(..., C)`` tensor: tokens ``(B, N, C)`` or
+    channels-last maps ``(B, H, W, C)``; every token is a sample of the batch statistics.
+
+    Same parameters, buffers and update rule as ``nn.BatchNorm1d``; the forward calls
+    ``F.batch_norm`` itself (no ``super()``), which keeps the module TorchScript-compatible.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        use_batch_stats = self.training or self.running_mean is None
+        track = not self.training or self.track_running_stats
+        y = F.batch_norm(x.reshape(-1, x.shape[-1]),  # (..., C) -> (M, C)
+                         self.running_mean if track else None, self.running_var if track else None,
+                         self.weight, self.bias, use_batch_stats, factor, self.eps)
+        return y.view(x.shape)  # (M, C) -> (..., C)
+
+
+def _bn_scale_shift(bn: nn.Module, channels: int, dtype, device):
+    """``(s, t)`` with ``BN(x) = s * x + t`` per channel, from the running statistics (Eq. 4)."""
+    if bn.running_mean is None or bn.running_var is None:
+        raise ValueError(f'cannot fold {type(bn).__name__} without running statistics (track_running_stats=False)')
+    inv_std = torch.rsqrt(bn.running_var.to(device, dtype) + bn.eps)
+    weight = bn.weight.to(device, dtype) if bn.weight is not None else torch.ones(channels, dtype=dtype, device=device)
+    bias = bn.bias.to(device, dtype) if bn.bias is not None else torch.zeros(channels, dtype=dtype, device=device)
+    scale = weight * inv_std
+    return scale, bias - bn.running_mean.to(device, dtype) * scale
+
+
+class RePaFFN(nn.Module):
+    """Channel-idle FFN residual unit (RePa Eq. 3), training form; ``fuse()`` gives Eq. 7.
+
+    Args:
+        in_features: channels C.
+        hidden_features: H = rho * C (default 4C).
+        out_features: must equal ``in_features`` (the shortcut is inside the unit).
+        act_layer: activation of the K active channels (name or ``nn.Module`` class; GELU).
+        bias: bias of fc1/fc2 (bool or pair).
+        drop: dropout after the activation and after fc2 (float or pair), as timm's ``Mlp``.
+        idle_ratio: theta, the fraction of hidden channels that stay linear (default 0.75, i.e.
+            mu = 1 for rho = 4); the first ``K = ceil(H * (1 - theta))`` channels are active.
+        layer_scale_init_value: per-channel scale gamma on the FFN branch (``None``: none).
+        res_scale_init_value: per-channel scale r on the shortcut (MetaFormer ``res_scale``).
+        drop_path: stochastic-depth rate of the FFN branch.
+        channels_first: input is ``(B, C, H, W)`` (1x1 convs, BatchNorm2d; PoolFormer) instead
+            of channels-last ``(..., C)`` (tokens ``(B, N, C)`` or maps ``(B, H, W, C)``).
+        layout: a :class:`TokenLayout`; only its ``channels_first`` is used (the unit is
+            point-wise, so prefix tokens and the grid do not matter).
+
+    ``fuse()`` folds from the BatchNorm running statistics, i.e. it reproduces eval mode.
+    """
+
+    def __init__(
+            self,
+            in_features: int,
+            hidden_features: Optional[int] = None,
+            out_features: Optional[int] = None,
+            act_layer: Union[str, Type[nn.Module]] = 'gelu',
+            bias: Union[bool, tuple] = True,
+            drop: Union[float, tuple] = 0.,
+            idle_ratio: float = 0.75,
+            layer_scale_init_value: Optional[float] = None,
+            res_scale_init_value: Optional[float] = None,
+            drop_path: float = 0.,
+            channels_first: bool = False,
+            layout: Optional[TokenLayout] = None,
+            device=None,
+            dtype=None,
+    ):
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        hidden_features = hidden_features or 4 * in_features
+        if out_features not in (None, in_features):
+            raise ValueError(f'RePaFFN is a residual unit: out_features ({out_features}) must equal '
+                             f'in_features ({in_features})')
+        self.in_features, self.hidden_features = in_features, hidden_features
+        self.idle_ratio = check_idle_ratio(idle_ratio)
+        self.active_features = active_channels(hidden_features, idle_ratio)
+        self.channels_first = layout.channels_first if layout is not None else channels_first
+        bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
+        self.layer_scale_init_value, self.res_scale_init_value = layer_scale_init_value, res_scale_init_value
+
+        cf = self.channels_first
+        norm = nn.BatchNorm2d if cf else TokenBatchNorm
+        # skip_init: init_weights() initializes the projections; no need to pay for torch's default init too
+        skip = {'device': device if device is not None else torch.get_default_device(), 'dtype': dtype}
+        linear = ((lambda i, o, b: nn.utils.skip_init(nn.Conv2d, i, o, 1, bias=b, **skip)) if cf
+                  else (lambda i, o, b: nn.utils.skip_init(nn.Linear, i, o, b, **skip)))
+        self.norm_in = norm(in_features, **dd)  # replaces the block's pre-FFN LayerNorm (Eq. 3, BN(Y))
+        self.fc1 = linear(in_features, hidden_features, bias[0])
+        self.act = _activation_module(act_layer)
+        self.drop1 = nn.Dropout(drop_probs[0])
+        self.norm_hidden = norm(hidden_features, **dd)  # Eq. 3, BN(Y^Act)
+        self.fc2 = linear(hidden_features, in_features, bias[1])
+        self.drop2 = nn.Dropout(drop_probs[1])
+        self.layer_scale = nn.Parameter(torch.empty(in_features, **dd)) if layer_scale_init_value is not None else None
+        self.res_scale = nn.Parameter(torch.empty(in_features, **dd)) if res_scale_init_value is not None else None
+        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+        self.init_weights()
+
+    def init_weights(self):
+        for m in (self.fc1, self.fc2):
+            nn.init.trunc_normal_(m.weight, std=.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        for bn in (self.norm_in, self.norm_hidden):
+            bn.reset_parameters()
+        if self.layer_scale is not None:
+            nn.init.constant_(self.layer_scale, self.layer_scale_init_value)
+        if self.res_scale is not None:
+            nn.init.constant_(self.res_scale, self.res_scale_init_value)
+
+    def _channel_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        return scale.view(-1, 1, 1) if self.channels_first else scale  # (C,) -> (C, 1, 1) for (B, C, H, W)
+
+    def _partial_activation(self, h: torch.Tensor) -> torch.Tensor:
+        """Eq. 3, ``concat(Act(h[:K]), h[K:])`` without the concat: the activation is written into
+        the first K channels of h in place, and never computed on the idle ones."""
+        k, dim = self.active_features, 1 if self.channels_first else -1
+        if k == 0:
+            return h
+        if k == self.hidden_features:
+            return self.act(h)
+        active = h.narrow(dim, 0, k)  # a view of the first K channels
+        if torch.is_grad_enabled() and h.requires_grad:
+            # the activation's backward needs its input, which the in-place write would destroy:
+            # keep a K-wide copy of it (cheaper than concatenating H channels)
+            active.copy_(self.act(active.clone()))
+        else:
+            active.copy_(self.act(active))
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(self.norm_in(x))  # (..., C) -> (..., H)  [or (B, C, h, w) -> (B, H, h, w)]
+        h = self.drop1(self._partial_activation(h))
+        y = self.drop2(self.fc2(self.norm_hidden(h)))  # (..., H) -> (..., C)
+        if self.layer_scale is not None:
+            y = y * self._channel_scale(self.layer_scale)
+        shortcut = x * self._channel_scale(self.res_scale) if self.res_scale is not None else x
+        return shortcut + self.drop_path(y)
+
+    @torch.no_grad()
+    def fuse(self) -> 'RePaDeployedFFN':
+        """Return the deployed module (Eq. 5-7), folded in float64 from the BatchNorm running
+        statistics (so it reproduces eval mode) and cast back to this module's dtype."""
+        ref = self.fc1.weight
+        fold = torch.float32 if ref.device.type == 'mps' else torch.float64  # mps has no float64
+        c, hid, k = self.in_features, self.hidden_features, self.active_features
+        dev = ref.device
+
+        def weight_bias(m, rows, cols):
+            w = m.weight.to(dev, fold).reshape(rows, cols)  # 1x1 conv (o, i, 1, 1) -> (o, i)
+            b = m.bias.to(dev, fold) if m.bias is not None else torch.zeros(rows, dtype=fold, device=dev)
+            return w, b
+
+        # Eq. 4: BN_in into fc1 (its shift goes through fc1 into both paths), BN_hidden into fc2
+        s_in, t_in = _bn_scale_shift(self.norm_in, c, fold, dev)
+        w1, b1 = weight_bias(self.fc1, hid, c)
+        w1, b1 = w1 * s_in, b1 + w1 @ t_in
+        s_h, t_h = _bn_scale_shift(self.norm_hidden, hid, fold, dev)
+        w2, b2 = weight_bias(self.fc2, c, hid)
+        w2, b2 = w2 * s_h, b2 + w2 @ t_h
+        if self.layer_scale is not None:  # gamma scales fc2's weight *and* bias
+            g = self.layer_scale.to(dev, fold)
+            w2, b2 = w2 * g[:, None], b2 * g
+        r = self.res_scale.to(dev, fold) if self.res_scale is not None else None
+
+        # Eq. 6: idle rows of fc1 x idle columns of fc2 (+ shortcut) -> one C x C matrix
+        linear_path = k < hid or r is not None
+        deployed = RePaDeployedFFN(c, k, linear_path=linear_path, act_layer=type(self.act),
+                                   channels_first=self.channels_first, device=dev, dtype=ref.dtype)
+        bias = b2 + w2[:, k:] @ b1[k:]
+        if linear_path:
+            merged = w2[:, k:] @ w1[k:]
+            merged += torch.diag(r) if r is not None else torch.eye(c, dtype=fold, device=dev)
+            deployed.linear.weight.copy_(merged.view_as(deployed.linear.weight))
+            deployed.linear.bias.copy_(bias)
+        else:
+            deployed.bias.copy_(bias)
+        if k:  # Eq. 7: the active path keeps fc1's first K rows and fc2's first K columns
+            deployed.fc1.weight.copy_(w1[:k].view_as(deployed.fc1.weight))
+            deployed.fc1.bias.copy_(b1[:k])
+            deployed.fc2.weight.copy_(w2[:, :k].reshape(deployed.fc2.weight.shape))
+        return deployed.train(self.training)
+
+    def extra_repr(self) -> str:
+        return (f'in_features={self.in_features}, hidden_features={self.hidden_features}, '
+                f'idle_ratio={self.idle_ratio}, active_features={self.active_features}, '
+                f'channels_first={self.channels_first}')
+
+
+class RePaDeployedFFN(nn.Module):
+    """The deployed RePa unit (Eq. 7): ``z = linear(x) + fc2(act(fc1(x)))``; buildable from dims,
+    so fused checkpoints load into a freshly built deployed model.
+
+    Args:
+        in_features: channels C.
+        active_features: K, the active hidden channels (0 when theta = 1: one linear layer).
+        linear_path: whether the merged C x C matrix (idle path + identity, Eq. 6) exists; it
+            does not when theta = 0, where the unit is ``x + bias + fc2(act(fc1(x)))``.
+        act_layer: activation of the active path.
+        channels_first: ``(B, C, H, W)`` input with 1x1 convs, else channels-last ``(..., C)``.
+
+    Use :meth:`from_config` to build it from the training-form arguments.
+    """
+
+    def __init__(self, in_features: int, active_features: int, linear_path: bool = True,
+                 act_layer: Union[str, Type[nn.Module]] = 'gelu', channels_first: bool = False,
+                 layout: Optional[TokenLayout] = None, device=None, dtype=None):
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        if active_features < 0 or (active_features == 0 and not linear_path):
+            raise ValueError(f'a deployed RePa unit needs active channels or a linear path, got '
+                             f'active_features={active_features}, linear_path={linear_path}')
+        self.in_features, self.active_features = in_features, active_features
+        self.channels_first = layout.channels_first if layout is not None else channels_first
+        cf = self.channels_first
+        linear = ((lambda i, o, b: nn.Conv2d(i, o, 1, bias=b, **dd)) if cf
+                  else (lambda i, o, b: nn.Linear(i, o, b, **dd)))
+        # W~ of Eq. 6; its bias collects every folded bias of the unit
+        self.linear = linear(in_features, in_features, True) if linear_path else None
+        self.bias = None if linear_path else nn.Parameter(torch.zeros(in_features, **dd))
+        self.fc1 = linear(in_features, active_features, True) if active_features else None
+        self.act = _activation_module(act_layer) if active_features else None
+        self.fc2 = linear(active_features, in_features, False) if active_features else None
+
+    @classmethod
+    def from_config(cls, in_features: int, hidden_features: Optional[int] = None, idle_ratio: float = 0.75,
+                    act_layer: Union[str, Type[nn.Module]] = 'gelu', res_scale_init_value: Optional[float] = None,
+                    channels_first: bool = False, layout: Optional[TokenLayout] = None, device=None, dtype=None, *,
+                    bias=True, drop=0., layer_scale_init_value=None, drop_path=0.) -> 'RePaDeployedFFN':
+        """The deployed module that ``RePaFFN(same arguments).fuse()`` returns. The training-only
+        arguments (``bias``, ``drop``, ``layer_scale_init_value``, ``drop_path``) are accepted so
+        that one config builds either form; they do not change the deployed structure."""
+        hidden_features = hidden_features or 4 * in_features
+        k = active_channels(hidden_features, idle_ratio)
+        return cls(in_features, k, linear_path=k < hidden_features or res_scale_init_value is not None,
+                   act_layer=act_layer, channels_first=channels_first, layout=layout, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_first:  # (B, C, H, W), 1x1 convs
+            out = self.linear(x) if self.linear is not None else x + self.bias.view(-1, 1, 1)
+            if self.fc1 is not None:
+                out = out + self.fc2(self.act(self.fc1(x)))
+            return out
+        x2 = x.reshape(-1, self.in_features)  # (..., C) -> (M, C)
+        if self.linear is not None:
+            out = F.linear(x2, self.linear.weight, self.linear.bias)  # x W~ + b  (Eq. 6)
+        else:
+            out = x2 + self.bias  # theta = 0: identity shortcut only
+        if self.fc1 is not None:
+            a = self.act(F.linear(x2, self.fc1.weight, self.fc1.bias))  # (M, C) -> (M, K)
+            # out-of-place on purpose: FlopCounterMode (vitblocks.profile) does not count addmm_
+            out = torch.addmm(out, a, self.fc2.weight.t())  # + act(x W~in) W~out  (Eq. 7)
+        return out.view(x.shape)  # (M, C) -> (..., C)
+
+    def fuse(self) -> 'RePaDeployedFFN':
+        """Already deployed: returns self (so re-parameterizing twice is safe)."""
+        return self
+
+    def extra_repr(self) -> str:
+        return (f'in_features={self.in_features}, active_features={self.active_features}, '
+                f'linear_path={self.linear is not None}, channels_first={self.channels_first}')
+
+
+def repa_ffn(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None, *,
+             deploy: bool = False, **kwargs) -> nn.Module:
+    """Build a RePa residual unit: :class:`RePaFFN`, or with ``deploy=True`` the
+    :class:`RePaDeployedFFN` that its ``fuse()`` would return (for loading fused checkpoints)."""
+    if deploy:
+        if out_features not in (None, in_features):
+            raise ValueError(f'RePa is a residual unit: out_features ({out_features}) must equal '
+                             f'in_features ({in_features})')
+        return RePaDeployedFFN.from_config(in_features, hidden_features, **kwargs)
+    return RePaFFN(in_features, hidden_features, out_features, **kwargs)

@@ -1,0 +1,56 @@
+"""RePa models: every RePa Table 1 backbone that timm has, with the channel-idle FFN unit.
+
+Each model is "build the timm backbone, ``swap_residual_ffn(model, 'repa', idle_ratio=0.75)``":
+the FFN half of every block (channel MLPs only for MLP-Mixer) becomes a
+:class:`~vitblocks.layers.RePaFFN` that owns BatchNorm (in place of the pre-FFN norm), the
+layer-scale (PoolFormer), drop-path and the shortcut. ``timm.utils.reparameterize_model`` (or
+``.fuse()`` on each unit) gives the deployed model.
+
+* ``repa_vit_huge_patch16_224``: the paper's ViT-H is ViT-H/16 (1280 wide, 32 blocks, 16 heads,
+  patch 16, 224 px). timm has only ViT-H/14 at 224 (``vit_huge_patch14_224``), so this model is
+  that timm entry built with ``patch_size=16``; the name states the architecture that is built.
+* LV-ViT-S/M (Table 1) are not in timm and are not provided.
+* PoolFormer-M36/M48 have no Table 1 row; they are registered for completeness.
+
+Options (``timm.create_model(name, block_cfg=...)``): ``idle_ratio`` (theta; a single value or a
+list with one value per block, in model order), ``deploy=True`` (build the deployed form directly
+so fused checkpoints load), and the other :class:`~vitblocks.layers.RePaFFN` arguments.
+"""
+from ..layers.repa import repa_ffn
+from .registry import VariantSpec, register_variant
+from .residual_surgery import list_residual_ffns, register_residual_ffn, swap_residual_ffn
+
+__all__ = ['swap_residual_ffn', 'list_residual_ffns', 'REPA_TABLE1_BASES']
+
+register_residual_ffn('repa', repa_ffn, per_layer=('idle_ratio',))
+
+# (registered name without the 'repa_' prefix, timm base model, base-model kwargs)
+REPA_TABLE1_BASES = (
+    ('deit_tiny_patch16_224', 'deit_tiny_patch16_224', {}),
+    ('deit_small_patch16_224', 'deit_small_patch16_224', {}),
+    ('deit_base_patch16_224', 'deit_base_patch16_224', {}),
+    ('vit_large_patch16_224', 'vit_large_patch16_224', {}),
+    ('vit_huge_patch16_224', 'vit_huge_patch14_224', dict(patch_size=16)),  # ViT-H/16, see module docstring
+    ('swin_tiny_patch4_window7_224', 'swin_tiny_patch4_window7_224', {}),
+    ('swin_small_patch4_window7_224', 'swin_small_patch4_window7_224', {}),
+    ('swin_base_patch4_window7_224', 'swin_base_patch4_window7_224', {}),
+    ('poolformer_s12', 'poolformer_s12', {}),
+    ('poolformer_s24', 'poolformer_s24', {}),
+    ('poolformer_s36', 'poolformer_s36', {}),
+    ('poolformer_m36', 'poolformer_m36', {}),
+    ('poolformer_m48', 'poolformer_m48', {}),
+    ('mixer_b16_224', 'mixer_b16_224', {}),
+    ('mixer_l16_224', 'mixer_l16_224', {}),
+)
+
+
+def _swap_repa(model, cfg):
+    return swap_residual_ffn(model, 'repa', **cfg)
+
+
+for _name, _base, _kwargs in REPA_TABLE1_BASES:
+    _note = ' built with patch_size=16 (ViT-H/16 as in the paper; timm has only ViT-H/14)' if _kwargs else ''
+    register_variant(VariantSpec(
+        name=f'repa_{_name}', method='repa', base=_base, build=_swap_repa,
+        cfg=dict(idle_ratio=0.75), base_kwargs=dict(_kwargs),
+        description=f'RePa Table 1 (channel-idle FFN, idle ratio 0.75){_note}'))
