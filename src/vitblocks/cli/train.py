@@ -4,6 +4,7 @@ from pathlib import Path
 from ..data import DataError
 from ..experiments import (CheckpointError, ConfigError, TrainingDiverged, list_recipes, load_config, load_recipe,
                            merge, parse_overrides, train)
+from ..experiments.config import RESUME_CHANGEABLE
 from .common import CliError, positive_int
 
 NAME = 'train'
@@ -22,10 +23,6 @@ looked up under $VITBLOCKS_DATA. Trailing KEY=VALUE pairs override any config ke
 values; see vitblocks/experiments/config.py). The run folder (--output/--name) receives
 config.yaml, last.pth / best.pth (atomic), metrics.csv, results.json and tensorboard/.
 """
-
-# keys a resumed run may change without breaking exact continuation of its trajectory
-RESUME_CHANGEABLE = {'epochs', 'max_steps', 'workers', 'threads', 'progress', 'log_interval', 'checkpoint_interval',
-                     'eval_interval', 'tensorboard', 'device'}
 
 
 def add_parser(subparsers) -> None:

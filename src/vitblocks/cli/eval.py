@@ -1,0 +1,149 @@
+"""`vitblocks eval --model NAME --checkpoint PATH --data PATH [--reparam]`: accuracy, loss, speed."""
+import json
+from pathlib import Path
+
+import torch
+from timm.utils import reparameterize_model
+
+from ..data import DataError, build_dataset, eval_split_of
+from ..experiments import CheckpointError, ConfigError, evaluate, load_model_weights, merge, parse_overrides
+from ..experiments.checkpoint import FORMAT, read_checkpoint
+from ..experiments.distributed import init_distributed
+from ..experiments.robustness import ROBUSTNESS_SETS, mean_corruption_error, robustness_sets
+from ..experiments.setup import DataSetup, create_model, make_loader, model_input_size, norm_stats, resolve_device
+from ..profile import count_macs, count_params
+from .common import CliError, positive_int, render_table, resolve
+
+NAME = 'eval'
+
+EPILOG = """\
+examples:
+  vitblocks eval --checkpoint runs/RUN/best.pth --data /path/to/cifar10
+  vitblocks eval --model repa_deit_tiny_patch16_224 --checkpoint w.safetensors --data /path/to/imagenet --reparam
+  vitblocks eval --model deit_tiny_patch16_224 --checkpoint w.pth --data /path/to/imagenet-r --robustness imagenet-r
+
+A vitblocks run checkpoint carries its model, classes and preprocessing (--model is then
+optional); other checkpoints (safetensors, timm .pth, bare state_dict) need --model, and
+KEY=VALUE config overrides such as model_kwargs='{img_size: 32}' if the model was built so.
+Top-5 is top-k with k = min(5, classes). images/s is measured over the whole evaluation
+(data pipeline included) on the chosen device. GMACs are counted for one image.
+"""
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(NAME, help='evaluate a checkpoint: top-1/top-5, loss, per-class accuracy, speed',
+                              description='Evaluate a model checkpoint on a dataset split.', epilog=EPILOG)
+    p.add_argument('--model', help='model name (default: the one a vitblocks checkpoint was trained as)')
+    p.add_argument('--checkpoint', required=True, help='last.pth/best.pth of a run, a .safetensors or a timm .pth')
+    p.add_argument('--data', required=True, help='dataset path or name')
+    p.add_argument('--split', help="split to evaluate (default: 'val' if present, else 'test')")
+    p.add_argument('--ema', action='store_true', help='evaluate the run\'s EMA weights')
+    p.add_argument('--reparam', action='store_true', help='evaluate the deployed form (timm reparameterize_model)')
+    p.add_argument('--robustness', choices=ROBUSTNESS_SETS, help='--data is this robustness set (ImageNet model)')
+    p.add_argument('--batch-size', type=positive_int, default=256)
+    p.add_argument('--device', default='auto')
+    p.add_argument('--threads', type=positive_int)
+    p.add_argument('--workers', type=int, default=0)
+    p.add_argument('--per-class', action='store_true', help='print the accuracy of every class')
+    p.add_argument('--json', metavar='PATH', help='also write the results as JSON')
+    p.add_argument('overrides', nargs='*', metavar='KEY=VALUE', help='config keys, e.g. model_kwargs=... mean=...')
+    p.set_defaults(run=run)
+
+
+def _load(args):
+    """(config, state_dict, checkpoint metadata or {})"""
+    path = Path(args.checkpoint)
+    meta = {}
+    if path.suffix != '.safetensors':
+        raw = read_checkpoint(path)
+        if isinstance(raw, dict) and raw.get('format') == FORMAT:
+            meta = raw
+    state = load_model_weights(path, ema=args.ema)
+    base = dict(meta.get('config', {}))
+    if args.model:
+        resolve(args.model)
+        if meta and args.model != base.get('model'):
+            raise CliError(f'{path} was trained as {base.get("model")}, not {args.model}; drop --model')
+        base['model'] = args.model
+    if not base.get('model'):
+        raise CliError(f'{path} is not a vitblocks run checkpoint; say which model it holds with --model')
+    layers = [base, parse_overrides(args.overrides), {'data': args.data, 'batch_size': args.batch_size,
+                                                       'workers': args.workers, 'device': args.device}]
+    return merge(*layers), state, meta
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cfg, state, meta = _load(args)
+        device = resolve_device(cfg.device)
+        dist = init_distributed(device.type)
+        if device.type == 'cuda' and dist.enabled:
+            device = torch.device('cuda', dist.local_rank)
+        classes = meta.get('classes')
+        num_classes = meta.get('num_classes') or cfg.num_classes or (1000 if args.robustness else None)
+        if args.robustness:
+            sets = robustness_sets(args.robustness, Path(cfg.data))
+        else:
+            split = args.split or eval_split_of(cfg.data)
+            ds = build_dataset(cfg.data, split, classes=classes)
+            num_classes = num_classes or ds.num_classes
+            sets = [None]
+        model = create_model(cfg, num_classes)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            raise CheckpointError(f'{args.checkpoint}: does not fit {cfg.model} with {num_classes} classes '
+                                  f'({str(e).splitlines()[0][:200]}...)') from None
+        if args.reparam:
+            model = reparameterize_model(model.eval())
+        model.to(device).eval()
+        size = tuple(meta['input_size']) if meta.get('input_size') else model_input_size(model, cfg)
+        results = []
+        for rs in sets:
+            dataset = ds if rs is None else rs.dataset
+            if rs is None and dataset.num_classes > num_classes:
+                raise DataError(f'{cfg.data}: {dataset.num_classes} classes but the model has {num_classes} outputs')
+            if meta.get('mean'):
+                mean, std = tuple(meta['mean']), tuple(meta['std'])
+            else:
+                mean, std = norm_stats(cfg, model, dataset, size[0])
+            data = DataSetup(dataset, dataset, rs.name if rs else split, size, mean, std,
+                             'tensor' if dataset.images is not None else 'pil')
+            loader = make_loader(cfg, data, False, device, dist.rank, dist.world_size)
+            res = evaluate(model, loader, dataset.num_classes, device,
+                           class_subset=rs.class_subset if rs else None)
+            results.append((rs, dataset, res))
+    except (ConfigError, DataError, CheckpointError) as e:
+        raise CliError(str(e)) from None
+    if not dist.is_main:
+        return 0
+    with torch.no_grad():
+        macs = count_macs(model, input_size=size)
+    params = count_params(model)
+    print(f'model    {cfg.model}{" (reparameterized)" if args.reparam else ""}{" EMA" if args.ema else ""}: '
+          f'{params / 1e6:.3f} M params, {macs.gmacs:.3f} GMACs at {"x".join(map(str, size))}')
+    out = {'model': cfg.model, 'checkpoint': str(args.checkpoint), 'reparam': args.reparam, 'params': params,
+           'gmacs': macs.gmacs, 'input_size': list(size), 'results': {}}
+    for rs, dataset, res in results:
+        label = rs.name if rs else f'{cfg.data} [{data.val_split}]'
+        print(f'data     {label}: {res.num_images} images, {dataset.num_classes} classes')
+        print(f'top-1    {res.top1:.2f}%   top-5 {res.top5:.2f}%   loss {res.loss:.4f}   '
+              f'{res.images_per_s:.1f} images/s on {device}')
+        out['results'][label] = res.to_dict()
+        if args.per_class or (rs is None and dataset.num_classes <= 20):
+            rows = [[i, dataset.classes[i], t, f'{a:.2f}' if a is not None else '-']
+                    for i, (t, a) in enumerate(zip(res.per_class_total, res.per_class_top1))]
+            print('\n'.join(render_table(['class', 'name', 'images', 'top-1 %'], rows, 'llrr', indent='  ')))
+    if args.robustness == 'imagenet-c':
+        errors = {}
+        for rs, _, res in results:
+            errors.setdefault(rs.corruption, {})[rs.severity] = 100.0 - res.top1
+        mce = mean_corruption_error(errors)
+        print(f'mean corruption error (unnormalized, top-1 error % averaged over severities and corruptions): '
+              f'{mce["mean"]:.2f}')
+        out['mean_corruption_error'] = mce
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0

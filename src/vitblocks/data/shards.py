@@ -1,0 +1,326 @@
+"""WebDataset shards (``.tar`` / ``.tar.gz``) read with Python's ``tarfile``.
+
+A shard is a tar file whose members are grouped into samples by key (the member name up to
+the first dot of its base name): ``<key>.jpg|jpeg|png|webp|bmp|ppm`` holds the image and
+``<key>.cls`` the class index as ASCII digits. A folder of shards may carry ``MANIFEST.json``
+(class names, per-split sample counts per shard) or ``classes.txt``; both are checked.
+
+Small datasets (MNIST, CIFAR) are decoded once into one ``(N, C, H, W)`` uint8 tensor and
+cached in this process, since decoding every JPEG/PNG every epoch dominates a CPU run. Large
+uncompressed ``.tar`` shards are indexed instead and read member by member (random access);
+a large ``.tar.gz`` cannot be read that way (gzip has no random access), so we say so.
+"""
+import glob
+import io
+import json
+import os
+import re
+import tarfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from .base import DataError, ImageDataset, array_to_pil, to_pil
+
+__all__ = ['ShardDataset', 'find_shards', 'is_shard_path', 'SHARD_SUFFIXES']
+
+SHARD_SUFFIXES = ('.tar', '.tar.gz', '.tgz')
+IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp', 'bmp', 'ppm')
+# decoded-in-memory limit: above this many compressed bytes we index .tar shards instead
+MAX_CACHED_SHARD_BYTES = 2 << 30
+_MEMORY_CACHE: Dict[Tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+_MEMORY_CACHE_SLOTS = 4
+
+
+def _is_shard_file(p: Path) -> bool:
+    return p.is_file() and p.name.endswith(SHARD_SUFFIXES)
+
+
+def _expand_braces(pattern: str) -> List[str]:
+    """WebDataset-style ``name-{0000..0009}.tar`` -> the ten names (one brace group per pass)."""
+    m = re.search(r'\{(\d+)\.\.(\d+)\}', pattern)
+    if not m:
+        return [pattern]
+    lo, hi, width = int(m.group(1)), int(m.group(2)), len(m.group(1))
+    out = []
+    for i in range(lo, hi + 1):
+        out += _expand_braces(pattern[:m.start()] + str(i).zfill(width) + pattern[m.end():])
+    return out
+
+
+def is_shard_path(path: str) -> bool:
+    """True if ``path`` is a shard file, a glob/brace pattern, or a folder holding shards (directly or in
+    ``<split>/`` sub-folders, or with a MANIFEST.json)."""
+    if any(c in path for c in '*?{'):
+        return True
+    p = Path(path)
+    if _is_shard_file(p):
+        return True
+    if not p.is_dir():
+        return False
+    if (p / 'MANIFEST.json').is_file():
+        return True
+    children = list(p.iterdir())  # shards in the folder, or in its <split>/ sub-folders
+    return any(_is_shard_file(c) or (c.is_dir() and any(_is_shard_file(g) for g in c.iterdir())) for c in children)
+
+
+def find_shards(path: str, split: Optional[str]) -> List[Path]:
+    """The shard files of ``split`` under ``path``.
+
+    ``path`` is one shard, a glob or brace pattern (used as given, ``split`` ignored), or a
+    folder: then ``<folder>/<split>/*.tar*`` or the shards whose file name has ``split`` as a
+    ``-``/``_``/``.``-separated word (``cifar10-train-0000.tar.gz``).
+    """
+    if any(c in path for c in '*?{'):
+        files = sorted({Path(f) for pat in _expand_braces(path) for f in glob.glob(pat)})
+        if not files:
+            raise DataError(f'{path}: the pattern matches no shard file')
+        missing = [f for f in files if not _is_shard_file(f)]
+        if missing:
+            raise DataError(f'{missing[0]}: not a .tar/.tar.gz shard')
+        return files
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f'{path}: no such file or directory')
+    if p.is_file():
+        if not _is_shard_file(p):
+            raise DataError(f'{path}: not a shard (expected a file ending in {", ".join(SHARD_SUFFIXES)})')
+        return [p]
+    if split and (p / split).is_dir():
+        p = p / split
+        files = sorted(f for f in p.iterdir() if _is_shard_file(f))
+    else:
+        all_files = sorted(f for f in p.iterdir() if _is_shard_file(f))
+        files = [f for f in all_files if split is None or split in re.split(r'[-_.]', f.name)]
+        if not files and all_files:
+            splits = sorted({w for f in all_files for w in re.split(r'[-_.]', f.name)
+                             if w in ('train', 'val', 'validation', 'test')})
+            raise DataError(f'{path}: no shard of split {split!r}; found {len(all_files)} shards'
+                            + (f' of split(s) {", ".join(splits)}' if splits else ' with no split name in their names'))
+    if not files:
+        raise DataError(f'{path}: no .tar/.tar.gz shards in this folder')
+    return files
+
+
+def _read_manifest(folder: Path) -> Tuple[Optional[List[str]], Dict]:
+    """(class names, manifest dict) from MANIFEST.json or classes.txt, if the folder has them."""
+    manifest, classes = {}, None
+    mpath = folder / 'MANIFEST.json'
+    if mpath.is_file():
+        try:
+            manifest = json.loads(mpath.read_text(encoding='utf-8'))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f'{mpath}: not valid JSON ({e})') from None
+        classes = manifest.get('classes')
+        if classes is not None and manifest.get('num_classes') not in (None, len(classes)):
+            raise DataError(f'{mpath}: num_classes={manifest["num_classes"]} but {len(classes)} class names')
+    cpath = folder / 'classes.txt'
+    if classes is None and cpath.is_file():
+        classes = [line.strip() for line in cpath.read_text(encoding='utf-8').splitlines() if line.strip()]
+    return classes, manifest
+
+
+def _decode(data: bytes, shard: Path, name: str) -> np.ndarray:
+    try:
+        im = Image.open(io.BytesIO(data))
+        im.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise DataError(f'{shard}: member {name!r} is not a decodable image ({type(e).__name__}: {e})') from None
+    if im.mode not in ('L', 'RGB'):
+        im = im.convert('L' if im.mode in ('1', 'I', 'I;16', 'F') else 'RGB')
+    return np.asarray(im)
+
+
+def _parse_cls(data: bytes, shard: Path, name: str) -> int:
+    text = data.decode('ascii', errors='replace').strip()
+    if not text.isdigit():
+        raise DataError(f'{shard}: member {name!r} should hold a class index as ASCII digits, got {data[:20]!r}')
+    return int(text)
+
+
+def _iter_samples(shard: Path, decode: bool):
+    """Yield (key, image array or (offset, size, member name), label) in member order."""
+    pending: Dict[str, Dict] = {}
+    last = None
+    order: List[str] = []
+    try:
+        with tarfile.open(shard, 'r:*') as tf:
+            for member in tf:
+                if not member.isfile():
+                    continue
+                last = member.name
+                base = os.path.basename(member.name)
+                if '.' not in base:
+                    continue
+                key = os.path.join(os.path.dirname(member.name), base.split('.', 1)[0])
+                ext = base.split('.', 1)[1].lower()
+                if ext not in IMAGE_EXTS and ext != 'cls':
+                    continue  # other fields (.json, .txt) are not ours to read
+                entry = pending.setdefault(key, {})
+                if not entry:
+                    order.append(key)
+                if ext == 'cls':
+                    entry['cls'] = _parse_cls(tf.extractfile(member).read(), shard, member.name)
+                elif decode:
+                    entry['img'] = _decode(tf.extractfile(member).read(), shard, member.name)
+                else:
+                    entry['img'] = (member.offset_data, member.size, member.name)
+                # WebDataset shards keep a sample's members together: emit complete samples early
+                if 'cls' in entry and 'img' in entry:
+                    pending.pop(key)
+                    yield key, entry['img'], entry['cls']
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        where = f' after member {last!r}' if last else ' at its start'
+        raise DataError(f'{shard}: corrupt or truncated shard: {type(e).__name__}: {e} ({where.strip()})') from None
+    for key, entry in pending.items():
+        missing = '.cls' if 'cls' not in entry else 'image (.jpg/.png/...)'
+        raise DataError(f'{shard}: sample {key!r} has no {missing} member')
+
+
+def _read_shard(shard: Path) -> Tuple[List[np.ndarray], List[int], List[str]]:
+    images, labels, keys = [], [], []
+    for key, img, label in _iter_samples(shard, decode=True):
+        images.append(img)
+        labels.append(label)
+        keys.append(key)
+    if not images:
+        raise DataError(f'{shard}: empty shard (no <key>.<image> + <key>.cls samples)')
+    return images, labels, keys
+
+
+def _stack(images: List[np.ndarray], source: str) -> torch.Tensor:
+    channels = 3 if any(a.ndim == 3 for a in images) else 1
+    sizes = {a.shape[:2] for a in images}
+    if len(sizes) > 1:
+        raise DataError(f'{source}: images of {len(sizes)} different sizes (e.g. {sorted(sizes)[:3]}) cannot be '
+                        f'held as '
+                        f'one tensor; store them uncompressed (.tar) so they are read one by one')
+    out = np.empty((len(images), *images[0].shape[:2], channels), dtype=np.uint8)
+    for i, a in enumerate(images):
+        out[i] = a[:, :, None] if a.ndim == 2 else a  # grayscale broadcasts to RGB when the set is mixed
+    return torch.from_numpy(out).permute(0, 3, 1, 2).contiguous()  # (N, H, W, C) -> (N, C, H, W)
+
+
+class ShardDataset(ImageDataset):
+    """Labelled images from WebDataset shards (see the module docstring).
+
+    Args:
+        path: a shard, a glob/brace pattern, or a folder of shards.
+        split: 'train', 'test', ... (ignored for a file or pattern).
+        classes: class names; default from MANIFEST.json / classes.txt next to the shards, else
+            ``0..max label``.
+        in_memory: decode everything once into a uint8 tensor (default: when the shards are
+            under ``MAX_CACHED_SHARD_BYTES``).
+    """
+
+    def __init__(self, path: str, split: Optional[str] = 'train', classes: Optional[Sequence[str]] = None,
+                 in_memory: Optional[bool] = None):
+        self.shards = find_shards(str(path), split)
+        folder = self.shards[0].parent
+        found_classes, manifest = _read_manifest(folder)
+        self.source = str(path) + (f' [{split}]' if split and Path(path).is_dir() else '')
+        self._check_manifest(manifest, split, whole_split=Path(path).is_dir())
+        total = sum(f.stat().st_size for f in self.shards)
+        if in_memory is None:
+            in_memory = total <= MAX_CACHED_SHARD_BYTES
+        if in_memory:
+            self.images, self.targets, self._keys = self._load_cached()
+            self._index = None
+        else:
+            self._index_members()
+        self.classes = list(classes or found_classes or [str(i) for i in range(int(self.targets.max()) + 1)])
+        self._check_labels()
+
+    def _check_manifest(self, manifest: Dict, split: Optional[str], whole_split: bool) -> None:
+        splits = manifest.get('splits') or {}
+        self._expected = {sh['file']: sh.get('num_samples')
+                          for info in splits.values() for sh in info.get('shards', [])}
+        info = splits.get(split) if split else None
+        if not whole_split or not info:  # a file or pattern picks its shards itself
+            return
+        have = {f.name for f in self.shards}
+        for sh in info.get('shards', []):
+            if sh['file'] not in have:
+                raise DataError(f'{self.shards[0].parent / sh["file"]}: missing (listed in MANIFEST.json for split '
+                                f'{split!r})')
+
+    def _load_cached(self) -> Tuple[torch.Tensor, torch.Tensor, List[Tuple[int, str]]]:
+        key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.shards)
+        if key in _MEMORY_CACHE:
+            return _MEMORY_CACHE[key]
+        with ThreadPoolExecutor(max_workers=min(len(self.shards), os.cpu_count() or 1)) as pool:
+            parts = list(pool.map(_read_shard, self.shards))
+        for shard, (imgs, _, _) in zip(self.shards, parts):
+            self._check_count(shard, len(imgs))
+        images = _stack([a for imgs, _, _ in parts for a in imgs], self.source)
+        targets = torch.tensor([c for _, labels, _ in parts for c in labels], dtype=torch.long)
+        keys = [(i, k) for i, (_, _, ks) in enumerate(parts) for k in ks]
+        if len(_MEMORY_CACHE) >= _MEMORY_CACHE_SLOTS:
+            _MEMORY_CACHE.pop(next(iter(_MEMORY_CACHE)))
+        _MEMORY_CACHE[key] = (images, targets, keys)
+        return images, targets, keys
+
+    def _check_count(self, shard: Path, count: int) -> None:
+        expected = getattr(self, '_expected', {}).get(shard.name)
+        if expected is not None and expected != count:
+            raise DataError(f'{shard}: holds {count} samples but MANIFEST.json says {expected}; the shard is '
+                            f'truncated or corrupt (re-copy it)')
+
+    def _index_members(self) -> None:
+        gz = [f for f in self.shards if not f.name.endswith('.tar')]
+        if gz:
+            raise DataError(f'{gz[0]}: too large to decode in memory, and a gzip-compressed shard cannot be read '
+                            f'sample by sample; decompress the shards (gunzip -k) and point to the .tar files')
+        index, labels = [], []
+        for i, shard in enumerate(self.shards):
+            n = 0
+            for _, (offset, size, name), label in _iter_samples(shard, decode=False):
+                index.append((i, offset, size, name))
+                labels.append(label)
+                n += 1
+            if not n:
+                raise DataError(f'{shard}: empty shard (no <key>.<image> + <key>.cls samples)')
+            self._check_count(shard, n)
+        self._index, self.targets, self.images = index, torch.tensor(labels, dtype=torch.long), None
+        self._files: Dict[int, object] = {}
+        self._pid = None
+
+    def _check_labels(self) -> None:
+        n = len(self.classes)
+        bad = (self.targets < 0) | (self.targets >= n)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            where = self._where(i)
+            raise DataError(f'{where}: class {int(self.targets[i])} but the dataset has {n} classes '
+                            f'({"MANIFEST.json/classes.txt" if n and self.classes[0] != "0" else "given"}); '
+                            f'the shards and the class list do not match')
+
+    def _where(self, i: int) -> str:
+        if self._index is not None:
+            shard, _, _, name = self._index[i]
+            return f'{self.shards[shard]}: member {name!r}'
+        shard, key = self._keys[i]
+        return f'{self.shards[shard]}: member {key + ".cls"!r}'
+
+    def load(self, index: int) -> Image.Image:
+        if self.images is not None:
+            return to_pil(self.images[index])
+        shard, offset, size, name = self._index[index]
+        if self._pid != os.getpid():  # DataLoader workers: one set of open files per process
+            self._files, self._pid = {}, os.getpid()
+        f = self._files.get(shard)
+        if f is None:
+            f = self._files[shard] = open(self.shards[shard], 'rb')
+        f.seek(offset)
+        return array_to_pil(_decode(f.read(size), self.shards[shard], name))
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state['_files'] = {}
+        return state
+

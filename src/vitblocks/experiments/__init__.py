@@ -1,0 +1,17 @@
+"""Training and evaluation on real data: config and recipes, the training loop (exact resume,
+DDP, AMP), evaluation, run folders (checkpoints, metrics.csv, TensorBoard), plots, and the
+papers' reproduction harnesses.
+
+    >>> from vitblocks.experiments import merge, load_recipe, train
+    >>> cfg = merge(load_recipe('ninformer'), {'model': 'vit_tiny_patch16_224', 'data': 'path/to/mnist'})
+    >>> result = train(cfg)            # writes runs/<name>/{config.yaml,last.pth,best.pth,metrics.csv,...}
+"""
+from .checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
+from .config import (ConfigError, TrainConfig, list_recipes, load_config, load_recipe, merge, parse_overrides,
+                     recipe_path)
+from .engine import RunResult, Trainer, TrainingDiverged, default_run_name, train
+from .evaluate import EvalResult, evaluate
+
+__all__ = ['TrainConfig', 'ConfigError', 'merge', 'load_recipe', 'list_recipes', 'recipe_path', 'parse_overrides',
+           'load_config', 'train', 'Trainer', 'RunResult', 'TrainingDiverged', 'default_run_name', 'evaluate',
+           'EvalResult', 'CheckpointError', 'save_checkpoint', 'load_checkpoint', 'load_model_weights']

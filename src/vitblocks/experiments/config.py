@@ -1,0 +1,237 @@
+"""Training configuration: one flat dataclass, recipes as YAML files, ``key=value`` overrides.
+
+Precedence: dataclass defaults < recipe (``--config deit`` or a YAML path) < command line.
+The resolved config is written to ``<run dir>/config.yaml``; that file alone re-launches or
+resumes the run (``python -m vitblocks.experiments <run dir>/config.yaml``).
+"""
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import yaml
+
+__all__ = ['TrainConfig', 'ConfigError', 'RESUME_CHANGEABLE', 'load_recipe', 'list_recipes', 'recipe_path', 'merge', 'parse_overrides',
+           'save_config', 'load_config']
+
+RECIPE_DIR = Path(__file__).parent / 'recipes'
+
+# keys a resumed run may change without leaving the trajectory it was on (budgets, logging, where it runs)
+RESUME_CHANGEABLE = frozenset({'epochs', 'max_steps', 'workers', 'threads', 'progress', 'log_interval',
+                               'checkpoint_interval', 'eval_interval', 'tensorboard', 'device'})
+
+
+class ConfigError(ValueError):
+    """A bad recipe or override; the message names the key and what was expected."""
+
+
+@dataclass
+class TrainConfig:
+    # --- what to train on what ---
+    model: str = ''                 # timm or vitblocks model name
+    data: str = ''                  # dataset path or name (see vitblocks.data.build_dataset)
+    recipe: str = ''                # the recipe it came from (informational)
+    model_kwargs: Dict[str, Any] = field(default_factory=dict)  # extra timm.create_model kwargs
+    drop_rate: Optional[float] = None       # timm drop_rate (head dropout), passed only when set
+    drop_path_rate: Optional[float] = None  # stochastic depth, passed only when set
+    mlp_drop: Optional[float] = None        # dropout after every MLP layer (see setup.mlp_dropout_kwargs)
+    num_classes: Optional[int] = None       # default: the dataset's
+    train_split: str = 'train'
+    val_split: Optional[str] = None         # default: 'val' if the dataset has one, else 'test'
+    train_subset: Optional[int] = None      # train on a fixed random subset of this many images
+    val_subset: Optional[int] = None        # evaluate on the first N images only (quick checks)
+    # --- input and augmentation ---
+    input_size: Optional[List[int]] = None  # [C, H, W]; default: the model's
+    mean: Union[str, List[float]] = 'model'  # 'model' (timm config), 'dataset' (train split) or values
+    std: Union[str, List[float]] = 'model'
+    interpolation: str = 'bicubic'
+    pipeline: str = 'auto'          # 'tensor' (batched uint8, in-memory data), 'pil' (timm transforms), 'auto'
+    hflip: float = 0.5
+    vflip: float = 0.0
+    crop_padding: int = 0           # random crop of the zero-padded image (CIFAR style)
+    scale: Optional[List[float]] = None  # RandomResizedCrop scale range (PIL pipeline); None: plain resize
+    ratio: Optional[List[float]] = None
+    color_jitter: Optional[float] = None
+    auto_augment: Optional[str] = None   # timm string, e.g. rand-m9-mstd0.5-inc1
+    reprob: float = 0.0             # random erasing probability
+    remode: str = 'pixel'
+    recount: int = 1
+    crop_pct: float = 1.0           # eval resize = size / crop_pct, then center crop
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    mixup_prob: float = 1.0
+    mixup_switch_prob: float = 0.5
+    mixup_mode: str = 'batch'
+    smoothing: float = 0.0          # label smoothing
+    # --- optimization ---
+    epochs: int = 100
+    batch_size: int = 128           # per process; the global batch is batch_size x processes
+    opt: str = 'adamw'              # any timm optimizer name: adam, adamw, lamb, sgd, ...
+    lr: Optional[float] = None      # default: lr_base x global batch / lr_base_size
+    lr_base: float = 5e-4
+    lr_base_size: int = 512
+    weight_decay: float = 0.05
+    momentum: float = 0.9
+    opt_eps: Optional[float] = None
+    opt_betas: Optional[List[float]] = None
+    clip_grad: Optional[float] = None
+    clip_mode: str = 'norm'
+    sched: str = 'cosine'           # timm scheduler name ('cosine', 'step', ...) or 'none' (constant lr)
+    warmup_epochs: float = 0
+    warmup_lr: float = 1e-6
+    min_lr: float = 0.0
+    decay_epochs: float = 30        # 'step' scheduler
+    decay_rate: float = 0.1
+    model_ema: bool = False
+    model_ema_decay: float = 0.9998
+    model_ema_warmup: bool = False
+    # --- runtime ---
+    device: str = 'auto'            # 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1'
+    amp: bool = True                # autocast on CUDA (ignored on CPU)
+    amp_dtype: str = 'bfloat16'     # or 'float16' (uses a GradScaler)
+    compile: bool = False           # torch.compile the model
+    threads: Optional[int] = None   # torch intra-op threads (default: torch's; 1 is fastest on a busy CPU)
+    seed: int = 0
+    deterministic: bool = True      # torch.use_deterministic_algorithms (warn only)
+    workers: int = 0                # DataLoader worker processes (PIL pipeline)
+    images_on_device: bool = True   # tensor pipeline on CUDA: keep the uint8 dataset on the GPU
+    max_steps: Optional[int] = None  # stop after this many optimizer steps (a budget; schedule unchanged)
+    log_interval: int = 50          # steps between metric rows / progress lines
+    checkpoint_interval: int = 0    # also save last.pth every N steps (0: at epoch ends only)
+    eval_interval: int = 1          # epochs between evaluations
+    progress: str = 'auto'          # 'bar' (tqdm), 'log' (lines), 'none', 'auto' (bar on a terminal)
+    tensorboard: bool = True        # if the tensorboard package is installed
+    output: str = 'runs'            # parent folder of run folders
+    name: Optional[str] = None      # run folder name; default <model>-<data>-<recipe>
+
+    @property
+    def field_names(self) -> List[str]:
+        return [f.name for f in dataclasses.fields(self)]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_CHOICES = {'pipeline': ('auto', 'tensor', 'pil'), 'progress': ('auto', 'bar', 'log', 'none'),
+            'amp_dtype': ('bfloat16', 'float16'), 'clip_mode': ('norm', 'value', 'agc'),
+            'mixup_mode': ('batch', 'pair', 'elem')}
+_POSITIVE = ('epochs', 'batch_size', 'log_interval', 'eval_interval', 'lr_base_size')
+
+
+def list_recipes() -> List[str]:
+    return sorted(p.stem for p in RECIPE_DIR.glob('*.yaml'))
+
+
+def recipe_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in ('.yaml', '.yml'):
+        if not p.is_file():
+            raise ConfigError(f'{p}: no such recipe file')
+        return p
+    if name_or_path in list_recipes():
+        return RECIPE_DIR / f'{name_or_path}.yaml'
+    close = difflib.get_close_matches(name_or_path, list_recipes(), n=3, cutoff=0.5)
+    hint = f' Did you mean: {", ".join(close)}?' if close else ''
+    raise ConfigError(f'unknown recipe {name_or_path!r}.{hint} Recipes: {", ".join(list_recipes())} '
+                      f'(or a .yaml path)')
+
+
+def load_recipe(name_or_path: str) -> Dict[str, Any]:
+    """The settings of a recipe (by name or path), checked against the config's keys."""
+    path = recipe_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding='utf-8')) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f'{path}: not valid YAML ({e})') from None
+    if not isinstance(data, dict):
+        raise ConfigError(f'{path}: a recipe is a mapping of config keys, got {type(data).__name__}')
+    data.setdefault('recipe', path.stem)
+    _check_keys(data, str(path))
+    return data
+
+
+def parse_overrides(items: List[str]) -> Dict[str, Any]:
+    """``['lr=1e-3', 'scale=[0.5, 1.0]']`` -> ``{'lr': 0.001, 'scale': [0.5, 1.0]}`` (YAML values)."""
+    out: Dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = item.partition('=')
+        if not sep or not key.strip():
+            raise ConfigError(f'overrides are KEY=VALUE, got {item!r} (e.g. lr=1e-3 epochs=5)')
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f'{key}: cannot parse value {value!r}') from None
+    _check_keys(out, 'command line')
+    return out
+
+
+def merge(*layers: Mapping[str, Any]) -> TrainConfig:
+    """A validated config from dict layers (later wins). ``model_kwargs`` dicts are merged."""
+    values: Dict[str, Any] = {}
+    for layer in layers:
+        for k, v in layer.items():
+            if k == 'model_kwargs' and isinstance(v, dict):
+                values[k] = {**values.get(k, {}), **v}
+            else:
+                values[k] = v
+    _check_keys(values, 'config')
+    cfg = TrainConfig(**values)
+    _validate(cfg)
+    return cfg
+
+
+def _check_keys(data: Mapping[str, Any], where: str) -> None:
+    for key in data:
+        if key not in _FIELDS:
+            close = difflib.get_close_matches(key, list(_FIELDS), n=3, cutoff=0.6)
+            hint = f' Did you mean: {", ".join(close)}?' if close else ''
+            raise ConfigError(f'{where}: unknown config key {key!r}.{hint}')
+
+
+def _validate(cfg: TrainConfig) -> None:
+    for key, choices in _CHOICES.items():
+        if getattr(cfg, key) not in choices:
+            raise ConfigError(f'{key}={getattr(cfg, key)!r}: expected one of {", ".join(choices)}')
+    for key in _POSITIVE:
+        v = getattr(cfg, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f'{key}={v!r}: expected a positive integer')
+    for key in ('lr', 'lr_base', 'weight_decay', 'smoothing', 'mixup', 'cutmix', 'reprob', 'hflip', 'vflip',
+                'warmup_epochs', 'min_lr', 'warmup_lr', 'clip_grad', 'drop_rate', 'drop_path_rate', 'mlp_drop'):
+        v = getattr(cfg, key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            raise ConfigError(f'{key}={v!r}: expected a non-negative number')
+    for key in ('max_steps', 'train_subset', 'val_subset', 'threads'):
+        v = getattr(cfg, key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f'{key}={v!r}: expected a positive integer (or null)')
+    for key in ('checkpoint_interval', 'workers'):
+        v = getattr(cfg, key)
+        if not isinstance(v, int) or v < 0:
+            raise ConfigError(f'{key}={v!r}: expected an integer >= 0')
+    for key in ('mean', 'std'):
+        v = getattr(cfg, key)
+        if isinstance(v, str) and v not in ('model', 'dataset'):
+            raise ConfigError(f"{key}={v!r}: expected 'model', 'dataset' or a list of per-channel values")
+    if cfg.input_size is not None and (len(cfg.input_size) != 3 or cfg.input_size[0] not in (1, 3)):
+        raise ConfigError(f'input_size={cfg.input_size}: expected [C, H, W] with C = 1 or 3')
+    if not isinstance(cfg.model_kwargs, dict):
+        raise ConfigError(f'model_kwargs must be a mapping, got {cfg.model_kwargs!r}')
+
+
+def save_config(cfg: TrainConfig, path: Path, header: str = '') -> None:
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
+    path.write_text(''.join(f'# {line}\n' for line in header.splitlines()) + text, encoding='utf-8')
+
+
+def load_config(path: Union[str, Path]) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f'{path}: no such config file')
+    data = yaml.safe_load(path.read_text(encoding='utf-8')) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f'{path}: expected a mapping of config keys')
+    _check_keys(data, str(path))
+    return merge(data)

@@ -1,0 +1,400 @@
+"""The training loop: timm's optimizer, scheduler, losses, mixup and EMA around a plain step.
+
+Exact resume: a checkpoint holds the model, optimizer, scheduler, EMA, grad scaler, every
+process's RNG states, and the position (epoch, step in epoch, global step). Batches and their
+augmentation are functions of (seed, epoch, step) (see ``vitblocks.data.loader``), so a run
+killed at any point and resumed from its last checkpoint retraces the uninterrupted run
+exactly on CPU (GPU kernels may add their own non-determinism).
+"""
+import json
+import math
+import os
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad
+from torch import nn
+
+from ..data import derive_seed
+from ..profile import count_params
+from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .config import ConfigError, TrainConfig, save_config
+from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, init_distributed
+from .evaluate import EvalResult, evaluate
+from .runlog import MetricsLog, Progress
+from .setup import create_model, make_loader, resolve_device, setup_data
+
+__all__ = ['train', 'TrainingDiverged', 'RunResult', 'default_run_name', 'Trainer']
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    final: Optional[EvalResult]
+    final_ema: Optional[EvalResult]
+    best_top1: float
+    global_step: int
+    epochs_done: float
+    seconds: float
+
+
+def default_run_name(cfg: TrainConfig) -> str:
+    data = Path(cfg.data.rstrip('/')).name.split('.')[0] or 'data'
+    return '-'.join(p for p in (cfg.model, data, cfg.recipe) if p)
+
+
+def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.manual_seed(seed)
+    if deterministic:
+        if device.type == 'cuda':  # cuBLAS needs this for deterministic matmuls (set before its first use)
+            os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+class Trainer:
+    """One run. ``Trainer(cfg, ...).fit()``; the pieces are attributes so benchmarks can time a step."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Optional[Path] = None, resume: Optional[Path] = None,
+                 model: Optional[nn.Module] = None):
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device = resolve_device(cfg.device)
+        self.dist: DistInfo = init_distributed(self.device.type)
+        if self.device.type == 'cuda' and self.dist.enabled:
+            self.device = torch.device('cuda', self.dist.local_rank)
+        seed_everything(derive_seed(cfg.seed, self.dist.rank), cfg.deterministic, self.device)
+
+        ckpt = load_checkpoint(resume) if resume else None
+        self.model = model if model is not None else create_model(cfg, cfg.num_classes or self._peek_classes())
+        self.num_classes = _num_outputs(self.model, cfg)
+        self.data = setup_data(cfg, self.model, self.num_classes)
+        self.train_loader = make_loader(cfg, self.data, True, self.device, self.dist.rank, self.dist.world_size)
+        self.val_loader = make_loader(cfg, self.data, False, self.device, self.dist.rank, self.dist.world_size)
+        self.steps_per_epoch = len(self.train_loader)
+        total = cfg.epochs * self.steps_per_epoch
+        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+
+        self.model.to(self.device)
+        self.global_batch = cfg.batch_size * self.dist.world_size
+        self.lr = cfg.lr if cfg.lr is not None else cfg.lr_base * self.global_batch / cfg.lr_base_size
+        opt_kwargs: Dict[str, Any] = {}
+        if cfg.opt_eps is not None:
+            opt_kwargs['eps'] = cfg.opt_eps
+        if cfg.opt_betas is not None:
+            opt_kwargs['betas'] = tuple(cfg.opt_betas)
+        self.optimizer = create_optimizer_v2(self.model, opt=cfg.opt, lr=self.lr, weight_decay=cfg.weight_decay,
+                                             momentum=cfg.momentum, **opt_kwargs)
+        self.scheduler = None
+        if cfg.sched != 'none':
+            self.scheduler, _ = create_scheduler_v2(
+                self.optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
+                warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, decay_epochs=cfg.decay_epochs, decay_rate=cfg.decay_rate,
+                step_on_epochs=False, updates_per_epoch=self.steps_per_epoch)
+        self.ema = ModelEmaV3(self.model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup) \
+            if cfg.model_ema else None
+
+        use_amp = cfg.amp and self.device.type == 'cuda'
+        amp_dtype = torch.float16 if cfg.amp_dtype == 'float16' else torch.bfloat16
+        self.autocast = (lambda: torch.autocast('cuda', dtype=amp_dtype)) if use_amp else nullcontext
+        self.scaler = NativeScaler(device='cuda') if use_amp and amp_dtype == torch.float16 else None
+
+        self.mixup = None
+        if cfg.mixup > 0 or cfg.cutmix > 0:
+            self.mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
+                               switch_prob=cfg.mixup_switch_prob, mode=cfg.mixup_mode, label_smoothing=cfg.smoothing,
+                               num_classes=self.num_classes)
+            self.criterion = SoftTargetCrossEntropy()
+        elif cfg.smoothing > 0:
+            self.criterion = LabelSmoothingCrossEntropy(cfg.smoothing)
+        else:
+            self.criterion = nn.CrossEntropyLoss()
+
+        self.forward_model = self.model
+        if self.dist.enabled:
+            ids = [self.device.index] if self.device.type == 'cuda' else None
+            self.forward_model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+        if cfg.compile:
+            self.forward_model = torch.compile(self.forward_model)
+
+        # position and history
+        self.epoch, self.epoch_step, self.global_step = 0, 0, 0
+        self.best_top1, self.best_epoch = -1.0, -1
+        self.elapsed_before = 0.0
+        self._last_loss = float('nan')
+        self._window = (0.0, 0)  # (loss sum, steps) since the last metrics row
+        self.run_dir = self._make_run_dir(run_dir, resume, ckpt)
+        self.log = MetricsLog(self.run_dir, cfg.tensorboard) if self.dist.is_main else None
+        if ckpt is not None:
+            self._restore(ckpt, resume)
+        self.progress = Progress(cfg.progress, self.dist.is_main, self.total_steps, self.global_batch)
+        if self.log is not None and self.log.tb_note:
+            self.progress.message(self.log.tb_note)
+
+    # --- setup helpers -----------------------------------------------------------------------------
+    def _peek_classes(self) -> int:
+        from ..data import build_dataset
+        return build_dataset(self.cfg.data, self.cfg.train_split).num_classes
+
+    def _make_run_dir(self, run_dir: Optional[Path], resume: Optional[Path], ckpt) -> Path:
+        if resume is not None:
+            path = Path(resume).parent if Path(resume).is_file() else Path(resume)
+        elif run_dir is not None:
+            path = Path(run_dir)
+        else:
+            path = Path(self.cfg.output) / (self.cfg.name or default_run_name(self.cfg))
+        error = None
+        if self.dist.is_main:
+            if resume is None and (path / 'last.pth').exists():
+                error = (f'{path} already holds a run (last.pth); resume it with --resume {path}, '
+                         f'or pick another --name / --output')
+            else:
+                path.mkdir(parents=True, exist_ok=True)
+                # on resume too: a longer budget or other logging settings are part of the run from now on
+                save_config(self.cfg, path / 'config.yaml',
+                            header=f'resolved config of run {path.name}\nresume: vitblocks train --resume {path}\n'
+                                   f'or:     python -m vitblocks.experiments {path / "config.yaml"} --resume '
+                                   f'--run-dir {path}')
+        error = broadcast_object(error)  # every rank stops, none waits for the others forever
+        if error:
+            raise ConfigError(error)
+        barrier()
+        return path
+
+    def _restore(self, ckpt: Dict[str, Any], path: Path) -> None:
+        try:
+            self.model.load_state_dict(ckpt['model'])
+            self.optimizer.load_state_dict(ckpt['optimizer'])
+            if self.scheduler is not None and ckpt.get('scheduler') is not None:
+                self.scheduler.load_state_dict(ckpt['scheduler'])
+            if self.ema is not None:
+                self.ema.module.load_state_dict(ckpt['model_ema'])
+            if self.scaler is not None and ckpt.get('scaler') is not None:
+                self.scaler.load_state_dict(ckpt['scaler'])
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f'{path}: does not fit this model/config ({type(e).__name__}: '
+                                  f'{str(e).splitlines()[0][:300]})') from None
+        self.epoch, self.epoch_step, self.global_step = ckpt['epoch'], ckpt['epoch_step'], ckpt['global_step']
+        self.best_top1, self.best_epoch = ckpt.get('best_top1', -1.0), ckpt.get('best_epoch', -1)
+        self.elapsed_before = ckpt.get('elapsed_s', 0.0)
+        self._window = tuple(ckpt.get('log_window', (0.0, 0)))
+        states = ckpt['rng']
+        if len(states) != self.dist.world_size:
+            raise CheckpointError(f'{path}: saved by {len(states)} process(es); resume it with as many '
+                                  f'(now {self.dist.world_size}) to continue exactly')
+        set_rng_state(states[self.dist.rank])
+        if self.log is not None:
+            self.log.truncate_after(self.global_step)
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def _state(self) -> Dict[str, Any]:
+        states = [rng_state()]
+        if self.dist.enabled:
+            states = [None] * self.dist.world_size
+            dist.all_gather_object(states, rng_state())
+        return {
+            'model': self.model.state_dict(), 'optimizer': self.optimizer.state_dict(),
+            'scheduler': self.scheduler.state_dict() if self.scheduler is not None else None,
+            'model_ema': self.ema.module.state_dict() if self.ema is not None else None,
+            'scaler': self.scaler.state_dict() if self.scaler is not None else None,
+            'rng': states, 'epoch': self.epoch, 'epoch_step': self.epoch_step, 'global_step': self.global_step,
+            'best_top1': self.best_top1, 'best_epoch': self.best_epoch, 'elapsed_s': self._elapsed(),
+            'log_window': list(self._window),
+            'config': self.cfg.to_dict(), 'num_classes': self.num_classes, 'classes': list(self.data.train.classes),
+            'input_size': list(self.data.input_size), 'mean': list(self.data.mean), 'std': list(self.data.std),
+        }
+
+    def save(self, name: str = 'last.pth', state: Optional[Dict[str, Any]] = None) -> None:
+        state = state or self._state()  # every rank takes part (RNG gather); rank 0 writes
+        if self.dist.is_main:
+            save_checkpoint(state, self.run_dir / name)
+
+    def _elapsed(self) -> float:
+        return self.elapsed_before + (time.perf_counter() - self._t0 if hasattr(self, '_t0') else 0.0)
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def _diverged(self, loss_value: float, where: str) -> TrainingDiverged:
+        last = self.run_dir / 'last.pth'
+        keep = f'the last good checkpoint is {last}' if last.exists() else 'no checkpoint was saved yet'
+        return TrainingDiverged(f'loss is {loss_value} at {where}; stopped; {keep}. Lower the learning rate '
+                                f'(now {self.lr:g}), add warm-up or gradient clipping (clip_grad=1.0), or use '
+                                f'amp_dtype=bfloat16')
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step; returns the (detached) loss."""
+        if self.mixup is not None:
+            x, y = self.mixup(x, y)
+        with self.autocast():
+            loss = self.criterion(self.forward_model(x), y)
+        # free on CPU: check before the update (one process; under DDP all ranks decide together, below)
+        if self.device.type == 'cpu' and not self.dist.enabled and not math.isfinite(loss.item()):
+            raise self._diverged(loss.item(), f'step {self.global_step + 1}')
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler(loss, self.optimizer, clip_grad=self.cfg.clip_grad, clip_mode=self.cfg.clip_mode,
+                        parameters=self.model.parameters())
+        else:
+            loss.backward()
+            if self.cfg.clip_grad is not None:
+                dispatch_clip_grad(self.model.parameters(), self.cfg.clip_grad, mode=self.cfg.clip_mode)
+            self.optimizer.step()
+        self.global_step += 1
+        self.epoch_step += 1
+        if self.ema is not None:
+            self.ema.update(self.model, step=self.global_step)
+        if self.scheduler is not None:
+            self.scheduler.step_update(num_updates=self.global_step)
+        return loss.detach()
+
+    def fit(self) -> RunResult:
+        cfg = self.cfg
+        self._t0 = time.perf_counter()
+        final = final_ema = None
+        if self.dist.is_main:
+            self.progress.message(f'run {self.run_dir}: {cfg.model} ({count_params(self.model) / 1e6:.2f} M params) on '
+                                  f'{self.data.train.describe()}; {self.steps_per_epoch} steps/epoch x {cfg.epochs} '
+                                  f'epochs, batch {self.global_batch}, {self.data.pipeline} pipeline, {self.device}'
+                                  + (f', from step {self.global_step}' if self.global_step else ''))
+        while self.epoch < cfg.epochs and self.global_step < self.total_steps:
+            final, final_ema = self._run_epoch()
+        if final is None:  # stopped by max_steps right after an evaluation, or resumed at the very end
+            final, final_ema = self._evaluate()
+        barrier()
+        if self.dist.is_main:
+            self._write_results(final, final_ema)
+            self.log.close()
+        return RunResult(self.run_dir, final, final_ema, self.best_top1, self.global_step,
+                         self.global_step / self.steps_per_epoch, self._elapsed())
+
+    def _run_epoch(self):
+        cfg = self.cfg
+        self.forward_model.train()
+        self.progress.start_epoch(self.epoch, cfg.epochs, self.epoch_step, self.steps_per_epoch)
+        # the loss average of the current log window survives a resume, so metric rows match too
+        self._loss_sum = torch.tensor(self._window[0], device=self.device)
+        self._loss_n = self._window[1]
+        for x, y in self.train_loader.epoch(self.epoch, self.epoch_step):
+            self.after_step(self.train_step(x, y))
+            if self.global_step >= self.total_steps:
+                break
+        self.progress.end_epoch()
+        self._sync_window()
+        done_epoch = self.epoch_step == self.steps_per_epoch
+        evaluated = (None, None)
+        if done_epoch:
+            self.epoch, self.epoch_step = self.epoch + 1, 0
+            if self.scheduler is not None:
+                self.scheduler.step(self.epoch)
+        if (done_epoch and self.epoch % cfg.eval_interval == 0) or self.global_step >= self.total_steps \
+                or self.epoch >= cfg.epochs:
+            evaluated = self._evaluate()
+        self.save()
+        return evaluated
+
+    def after_step(self, loss: torch.Tensor) -> None:
+        """Bookkeeping after each optimizer step: loss window, metrics row, progress, interval checkpoint."""
+        cfg = self.cfg
+        self._loss_sum += loss
+        self._loss_n += 1
+        lr = self.optimizer.param_groups[0]['lr']
+        last_in_epoch = self.epoch_step == self.steps_per_epoch
+        if self.global_step % cfg.log_interval == 0 or last_in_epoch or self.global_step == self.total_steps:
+            avg = (self._loss_sum / self._loss_n).item()
+            if self._any_rank(not math.isfinite(avg)):
+                raise self._diverged(avg, f'steps {self.global_step - self._loss_n + 1}..{self.global_step}')
+            rate = self.progress.log_line(self.global_step, self._epoch_float(), avg, lr)
+            if self.log is not None:
+                self.log.write(self.global_step, self._epoch_float(), 'train', loss=avg, lr=lr, images_per_s=rate,
+                               elapsed_s=self._elapsed())
+            self._loss_sum.zero_()
+            self._loss_n = 0
+            self._last_loss = avg
+        self.progress.update(self.global_step, self.epoch_step, self._running_loss, lr)
+        if cfg.checkpoint_interval and self.global_step % cfg.checkpoint_interval == 0 and not last_in_epoch:
+            self._sync_window()
+            self.save()
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any (so all processes stop together)."""
+        if not self.dist.enabled:
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        return bool(all_reduce_sum(t).item() > 0)
+
+    def _running_loss(self) -> float:
+        """Mean loss of the current log window (the last logged mean right after a row)."""
+        return float(self._loss_sum) / self._loss_n if self._loss_n else self._last_loss
+
+    def _sync_window(self) -> None:
+        """Check the window's losses are finite (one device sync) and keep them for the checkpoint."""
+        if self._any_rank(self._loss_n > 0 and not math.isfinite(float(self._loss_sum))):
+            raise self._diverged(float(self._loss_sum),
+                                 f'steps {self.global_step - self._loss_n + 1}..{self.global_step}')
+        self._window = (float(self._loss_sum), self._loss_n)
+
+    def _epoch_float(self) -> float:
+        return self.global_step / self.steps_per_epoch
+
+    def _evaluate(self):
+        res = evaluate(self.model, self.val_loader, self.num_classes, self.device, autocast=self.autocast())
+        res_ema = evaluate(self.ema.module, self.val_loader, self.num_classes, self.device, autocast=self.autocast()) \
+            if self.ema is not None else None
+        if self.log is not None:
+            for split, r in (('val', res), ('val_ema', res_ema)):
+                if r is not None:
+                    self.log.write(self.global_step, self._epoch_float(), split, loss=r.loss, top1=r.top1, top5=r.top5,
+                                   images_per_s=r.images_per_s, elapsed_s=self._elapsed())
+        self.progress.message(f'eval at step {self.global_step} (epoch {self._epoch_float():.2f}): '
+                              f'top-1 {res.top1:.2f}% '
+                              f'top-5 {res.top5:.2f}% loss {res.loss:.4f}'
+                              + (f'; EMA top-1 {res_ema.top1:.2f}%' if res_ema else ''))
+        if res.top1 > self.best_top1:
+            self.best_top1, self.best_epoch = res.top1, self.epoch
+            self.save('best.pth')
+        return res, res_ema
+
+    def _write_results(self, final: EvalResult, final_ema: Optional[EvalResult]) -> None:
+        out = {'model': self.cfg.model, 'data': self.cfg.data, 'val_split': self.data.val_split,
+               'recipe': self.cfg.recipe, 'params': count_params(self.model), 'global_step': self.global_step,
+               'epochs': self.global_step / self.steps_per_epoch, 'seconds': self._elapsed(),
+               'best_top1': self.best_top1, 'classes': list(self.data.train.classes),
+               'final': final.to_dict() if final else None, 'final_ema': final_ema.to_dict() if final_ema else None}
+        tmp = self.run_dir / 'results.json.tmp'
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(self.run_dir / 'results.json')
+
+
+def _num_outputs(model: nn.Module, cfg: TrainConfig) -> int:
+    head = model.get_classifier() if hasattr(model, 'get_classifier') else None
+    n = getattr(head, 'out_features', None) or getattr(model, 'num_classes', None)
+    if not n:
+        raise ConfigError(f'{cfg.model}: cannot tell how many classes the model outputs (no get_classifier())')
+    return int(n)
+
+
+def train(cfg: TrainConfig, run_dir: Optional[Path] = None, resume: Optional[Path] = None,
+          model: Optional[nn.Module] = None) -> RunResult:
+    """Train ``cfg`` (optionally on a given ``model`` instance); see ``Trainer``."""
+    if resume is not None:
+        resume = Path(resume)
+        if resume.is_dir():
+            resume = resume / 'last.pth'
+    return Trainer(cfg, run_dir=run_dir, resume=resume, model=model).fit()

@@ -1,0 +1,125 @@
+"""What a run writes besides checkpoints: metrics.csv, TensorBoard events, progress on the terminal."""
+import csv
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+__all__ = ['MetricsLog', 'Progress', 'read_metrics', 'METRIC_COLUMNS']
+
+# one row per log interval (split=train) and per evaluation (split=val / val_ema)
+METRIC_COLUMNS = ['step', 'epoch', 'split', 'loss', 'top1', 'top5', 'lr', 'images_per_s', 'elapsed_s']
+
+
+class MetricsLog:
+    """Appends rows to ``metrics.csv`` (and TensorBoard scalars when the package is installed).
+
+    ``truncate_after(step)`` drops rows written after a checkpoint, so a resumed run's file has
+    each step once, as an uninterrupted run's would.
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.path = run_dir / 'metrics.csv'
+        if not self.path.exists():
+            with open(self.path, 'w', newline='') as f:
+                csv.writer(f).writerow(METRIC_COLUMNS)
+        self.tb = None
+        self.tb_note = ''
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(log_dir=str(run_dir / 'tensorboard'))
+            except ImportError:  # torch's writer needs the optional `tensorboard` package
+                self.tb_note = 'TensorBoard logging off: `pip install tensorboard` to enable it'
+
+    def truncate_after(self, step: int) -> None:
+        rows = [r for r in read_metrics(self.path) if int(r['step']) <= step]
+        tmp = self.path.with_suffix('.csv.tmp')
+        with open(tmp, 'w', newline='') as f:
+            w = csv.DictWriter(f, METRIC_COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(tmp, self.path)
+
+    def write(self, step: int, epoch: float, split: str, **values: Optional[float]) -> None:
+        row = {'step': step, 'epoch': f'{epoch:.4f}', 'split': split}
+        for k in METRIC_COLUMNS[3:]:
+            v = values.get(k)
+            row[k] = '' if v is None else f'{v:.6g}'
+        with open(self.path, 'a', newline='') as f:
+            csv.DictWriter(f, METRIC_COLUMNS).writerow(row)
+        if self.tb is not None:
+            for k, v in values.items():
+                if v is not None and k != 'elapsed_s':
+                    self.tb.add_scalar(f'{split}/{k}', v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: Path) -> List[Dict[str, str]]:
+    with open(path, newline='') as f:
+        return list(csv.DictReader(f))
+
+
+class Progress:
+    """A tqdm bar per epoch (images/s and ETA), or a log line every ``log_interval`` steps when
+    stderr is not a terminal (``mode='auto'``), or nothing."""
+
+    def __init__(self, mode: str, enabled: bool, total_steps: int, batch_images: int):
+        if mode == 'auto':
+            mode = 'bar' if sys.stderr.isatty() else 'log'
+        self.mode = mode if enabled else 'none'
+        self.total_steps, self.batch_images = total_steps, batch_images
+        self.bar = None
+        self._t0 = self._steps0 = None
+
+    def start_epoch(self, epoch: int, epochs: int, start: int, steps: int) -> None:
+        if self.mode == 'bar':
+            from tqdm import tqdm
+            self.bar = tqdm(total=steps * self.batch_images, initial=start * self.batch_images, unit='img',
+                            unit_scale=True, desc=f'epoch {epoch + 1}/{epochs}', dynamic_ncols=True, leave=True)
+
+    def update(self, step: int, epoch_step: int, loss: Callable[[], float], lr: float) -> None:
+        """``loss``: called every 10th step in bar mode only (it may sync the device)."""
+        if self.bar is not None:
+            self.bar.update(self.batch_images)
+            if epoch_step % 10 == 0:
+                self.bar.set_postfix(loss=f'{loss():.4f}', lr=f'{lr:.2e}', refresh=False)
+        if self._t0 is None:  # throughput and ETA from the first step of this process on
+            self._t0, self._steps0 = time.perf_counter(), step
+
+    def log_line(self, step: int, epoch: float, loss: float, lr: float) -> Optional[float]:
+        """Images/s since the start of this process; prints a line in 'log' mode."""
+        if self._t0 is None or step <= self._steps0:
+            return None
+        elapsed = time.perf_counter() - self._t0
+        rate = (step - self._steps0) * self.batch_images / elapsed
+        if self.mode == 'log':
+            eta = (self.total_steps - step) * self.batch_images / rate
+            print(f'step {step}/{self.total_steps} epoch {epoch:.2f} loss {loss:.4f} lr {lr:.3g} '
+                  f'{rate:.1f} img/s ETA {_fmt_time(eta)}', file=sys.stderr, flush=True)
+        return rate
+
+    def end_epoch(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def message(self, text: str) -> None:
+        if self.mode == 'none':
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+
+def _fmt_time(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return '?'
+    s = int(seconds)
+    return f'{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}'

@@ -1,0 +1,158 @@
+"""From a config to the objects a run needs: the model, its input size, datasets and loaders."""
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import timm
+import torch
+from torch import nn
+
+from ..data import (BatchTransform, DataError, EpochOrder, ImageDataset, PILLoader, TensorLoader, build_dataset,
+                    build_pil_transform, dataset_mean_std, derive_seed, eval_split_of)
+from ..data.transforms import PIL_ONLY_AUGMENTS
+from ..models import resolve_model_name
+from .config import ConfigError, TrainConfig
+
+__all__ = ['create_model', 'mlp_dropout_kwargs', 'model_input_size', 'norm_stats', 'DataSetup', 'setup_data',
+           'make_loader', 'resolve_device']
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == 'auto':
+        return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    dev = torch.device(name)
+    if dev.type == 'cuda' and not torch.cuda.is_available():
+        raise ConfigError(f'device={name}: CUDA is not available here; use device=cpu')
+    return dev
+
+
+def mlp_dropout_kwargs(name: str, p: float) -> Dict[str, Any]:
+    """Model kwargs for dropout ``p`` in a model's MLP sub-units, the NiNformer authors' setting
+    (0.5 inside NiNformer's Mixer sub-unit, ``block_cfg=dict(drop=0.5)`` per
+    ``vitblocks.models.ninformer``). The NiNformer-paper models that swap blocks in (NiNformer,
+    MLP-Mixer, LocalViT) take it as ``block_cfg.drop``; timm models (and the paper's plain ViT
+    baseline) as ``proj_drop_rate`` (dropout in the blocks' MLP and attention projection)."""
+    if not p:
+        return {}
+    if name.startswith('ninformer_') and not name.startswith('ninformer_baseline_vit'):
+        return {'block_cfg': {'drop': p}}
+    return {'proj_drop_rate': p}
+
+
+def create_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+    """``timm.create_model(cfg.model, num_classes=..., **cfg.model_kwargs)`` with readable errors."""
+    try:
+        name = resolve_model_name(cfg.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    kwargs = dict(cfg.model_kwargs, num_classes=num_classes)
+    for key, value in mlp_dropout_kwargs(name, cfg.mlp_drop or 0).items():  # explicit model_kwargs win
+        kwargs[key] = {**value, **kwargs.get(key, {})} if isinstance(value, dict) else kwargs.get(key, value)
+    for key in ('drop_rate', 'drop_path_rate'):
+        if getattr(cfg, key) is not None:
+            kwargs[key] = getattr(cfg, key)
+    try:
+        return timm.create_model(name, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f'cannot build {name} with {kwargs}: {e}; check model_kwargs / drop_rate / '
+                          f'drop_path_rate') from None
+
+
+def model_input_size(model: nn.Module, cfg: TrainConfig) -> Tuple[int, int, int]:
+    """(C, H, W) the model expects: ``cfg.input_size``, else what the built model says."""
+    if cfg.input_size:
+        return tuple(int(v) for v in cfg.input_size)
+    pre = tuple((getattr(model, 'pretrained_cfg', None) or {}).get('input_size', (3, 224, 224)))
+    chans = cfg.model_kwargs.get('in_chans')
+    if chans is None:
+        first_conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+        chans = first_conv.in_channels if first_conv is not None else pre[0]
+    pe = getattr(model, 'patch_embed', None)
+    size = getattr(pe, 'img_size', None)
+    if size is None or getattr(pe, 'dynamic_img_size', False):
+        size = cfg.model_kwargs.get('img_size', pre[1:])
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    return int(chans), int(size[0]), int(size[1])
+
+
+@dataclass
+class DataSetup:
+    train: ImageDataset
+    val: ImageDataset
+    val_split: str
+    input_size: Tuple[int, int, int]
+    mean: Tuple[float, ...]
+    std: Tuple[float, ...]
+    pipeline: str
+
+
+def norm_stats(cfg: TrainConfig, model: nn.Module, train: ImageDataset, channels: int):
+    """(mean, std) per channel from ``cfg.mean/std``: 'model', 'dataset' (of ``train``) or values."""
+    pre = getattr(model, 'pretrained_cfg', None) or {}
+    out = []
+    ds_stats = dataset_mean_std(train, channels) if 'dataset' in (cfg.mean, cfg.std) else None
+    for key, default in (('mean', (0.485, 0.456, 0.406)), ('std', (0.229, 0.224, 0.225))):
+        v = getattr(cfg, key)
+        if v == 'dataset':
+            v = ds_stats[0 if key == 'mean' else 1]
+        elif v == 'model':
+            v = tuple(pre.get(key, default))
+            if len(v) != channels:  # an RGB model's statistics for a 1-channel model: their average
+                v = (sum(v) / len(v),) * channels
+        v = tuple(float(x) for x in v)
+        if len(v) != channels:
+            raise ConfigError(f'{key}={list(v)}: {channels}-channel input needs {channels} values')
+        out.append(v)
+    return out
+
+
+def setup_data(cfg: TrainConfig, model: nn.Module, num_classes: Optional[int] = None) -> DataSetup:
+    train = build_dataset(cfg.data, cfg.train_split)
+    val_split = cfg.val_split or eval_split_of(cfg.data)
+    val = build_dataset(cfg.data, val_split, classes=train.classes)
+    if val.num_classes != train.num_classes:
+        raise DataError(f'{cfg.data}: split {val_split!r} has {val.num_classes} classes, {cfg.train_split!r} has '
+                        f'{train.num_classes}')
+    if num_classes is not None and num_classes < train.num_classes:
+        raise DataError(f'{cfg.data}: the data has {train.num_classes} classes but the model has {num_classes} '
+                        f'outputs; '
+                        f'set num_classes={train.num_classes}')
+    if cfg.train_subset and cfg.train_subset < len(train):
+        g = torch.Generator().manual_seed(derive_seed(cfg.seed, 7))
+        train = train.subset(torch.randperm(len(train), generator=g)[:cfg.train_subset].sort().values)
+    if cfg.val_subset and cfg.val_subset < len(val):
+        val = val.subset(range(cfg.val_subset))
+    size = model_input_size(model, cfg)
+    mean, std = norm_stats(cfg, model, train, size[0])
+    pil_only = [k for k in PIL_ONLY_AUGMENTS if getattr(cfg, k)]
+    pipeline = cfg.pipeline
+    if pipeline == 'auto':
+        pipeline = 'tensor' if train.images is not None and not pil_only else 'pil'
+    if pipeline == 'tensor':
+        if train.images is None:
+            raise ConfigError(f'pipeline=tensor needs a dataset decoded in memory; {cfg.data} is read image by image '
+                              f'(use pipeline=pil)')
+        if pil_only:
+            raise ConfigError(f'pipeline=tensor does not implement {", ".join(pil_only)}; use pipeline=pil')
+    return DataSetup(train, val, val_split, size, mean, std, pipeline)
+
+
+def make_loader(cfg: TrainConfig, data: DataSetup, training: bool, device: torch.device, rank: int = 0,
+                world_size: int = 1, batch_size: Optional[int] = None):
+    """A TensorLoader or PILLoader over the train (``training``) or val split."""
+    ds = data.train if training else data.val
+    bs = batch_size or cfg.batch_size
+    try:
+        order = EpochOrder(len(ds), bs, seed=cfg.seed, shuffle=training, rank=rank, world_size=world_size)
+    except ValueError as e:
+        raise ConfigError(f'{ds.source}: {e}') from None
+    common = dict(input_size=data.input_size, mean=data.mean, std=data.std, training=training, hflip=cfg.hflip,
+                  vflip=cfg.vflip, crop_padding=cfg.crop_padding, interpolation=cfg.interpolation, reprob=cfg.reprob,
+                  remode=cfg.remode, recount=cfg.recount)
+    if data.pipeline == 'tensor' and ds.images is not None:
+        tf = BatchTransform(device=device, **common)
+        on_device = cfg.images_on_device and device.type == 'cuda'
+        return TensorLoader(ds, order, tf, device=device, images_on_device=on_device)
+    tf = build_pil_transform(scale=tuple(cfg.scale) if cfg.scale else None,
+                             ratio=tuple(cfg.ratio) if cfg.ratio else None, color_jitter=cfg.color_jitter,
+                             auto_augment=cfg.auto_augment, crop_pct=cfg.crop_pct, **common)
+    return PILLoader(ds, order, tf, workers=cfg.workers, device=device)

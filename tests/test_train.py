@@ -1,0 +1,436 @@
+"""Training loop, run folders, exact resume (also after SIGKILL), NaN stop, checkpoints, DDP, CLI.
+
+Everything runs a one-block 16-wide ViT on 8x8 synthetic shards, one CPU thread: a few
+milliseconds per step, so the whole file takes well under a minute of CPU.
+"""
+import csv
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import yaml
+from torch import nn
+
+import vitblocks.cli as cli
+from vitblocks.cli import eval as eval_cmd
+from vitblocks.cli import plot as plot_cmd
+from vitblocks.cli import reproduce as reproduce_cmd
+from vitblocks.cli import train as train_cmd
+from vitblocks.experiments import (CheckpointError, TrainingDiverged, list_recipes, load_checkpoint,
+                                   load_model_weights, load_recipe, merge, save_checkpoint, train)
+from vitblocks.experiments.config import ConfigError, parse_overrides
+from vitblocks.profile import fixed_threads
+
+from _train_helpers import TINY_VIT, tiny_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _one_thread():
+    with fixed_threads(1):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _cli_commands(monkeypatch):
+    """The train/eval/plot/reproduce commands, whether or not cli/__init__ lists them yet."""
+    extra = tuple(c for c in (train_cmd, eval_cmd, plot_cmd, reproduce_cmd) if c not in cli.COMMANDS)
+    monkeypatch.setattr(cli, 'COMMANDS', cli.COMMANDS + extra)
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory) -> Path:
+    return tiny_dataset(tmp_path_factory.mktemp('data') / 'tiny')
+
+
+def tiny_cfg(data: Path, out: Path, **kw):
+    """Every RNG consumer on: dropout, drop path, mixup/cutmix (numpy/python RNG), flips and padded crops,
+    label smoothing, cosine schedule with warm-up, EMA, gradient clipping."""
+    base = dict(model='vit_tiny_patch16_224', data=str(data), model_kwargs=TINY_VIT, drop_rate=0.1,
+                drop_path_rate=0.1, epochs=3, batch_size=8, opt='adamw', lr=3e-3, weight_decay=0.05, sched='cosine',
+                warmup_epochs=1, mixup=0.2, cutmix=0.5, smoothing=0.1, crop_padding=1, hflip=0.5, model_ema=True,
+                model_ema_decay=0.9, clip_grad=1.0, mean='dataset', std='dataset', progress='none', log_interval=4,
+                output=str(out), name='run', tensorboard=False, threads=1)
+    base.update(kw)
+    return merge(base)
+
+
+def weights(path: Path, ema: bool = False):
+    return load_model_weights(path, ema=ema)
+
+
+def assert_same_weights(a: Path, b: Path):
+    for ema in (False, True):
+        wa, wb = weights(a, ema), weights(b, ema)
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), f'{k} differs (ema={ema})'
+
+
+def losses(run: Path):
+    with open(run / 'metrics.csv') as f:
+        return [(r['step'], r['split'], r['loss'], r['top1']) for r in csv.DictReader(f)]
+
+
+# --- a run and its folder ------------------------------------------------------------------------------
+
+def test_run_folder_contents_and_learning(data, tmp_path):
+    cfg = tiny_cfg(data, tmp_path, epochs=4, mixup=0, cutmix=0, drop_rate=0, drop_path_rate=0, model_ema=False)
+    result = train(cfg)
+    run = tmp_path / 'run'
+    assert {p.name for p in run.iterdir()} >= {'config.yaml', 'last.pth', 'best.pth', 'metrics.csv', 'results.json'}
+    assert yaml.safe_load((run / 'config.yaml').read_text())['lr'] == 3e-3
+    ckpt = load_checkpoint(run / 'last.pth')
+    assert ckpt['global_step'] == result.global_step == 4 * (96 // 8) and ckpt['epoch'] == 4
+    rows = losses(run)
+    assert [r[0] for r in rows if r[1] == 'val'] == ['12', '24', '36', '48']  # one eval per epoch
+    assert result.final.num_images == 40 and len(result.final.per_class_total) == 4
+    assert sum(result.final.per_class_total) == 40
+    first, last = float(rows[0][2]), float([r for r in rows if r[1] == 'train'][-1][2])
+    assert last < first  # the blobs are learnable
+    assert result.final.top1 > 40.0  # chance is 25%
+
+
+def test_tensorboard_scalars_when_installed_and_a_note_when_not(data, tmp_path, monkeypatch):
+    import types
+    scalars = []
+
+    class FakeWriter:  # torch's SummaryWriter needs the optional tensorboard package; record what it gets
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, step))
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, 'torch.utils.tensorboard', types.SimpleNamespace(SummaryWriter=FakeWriter))
+    train(tiny_cfg(data, tmp_path / 'tb', max_steps=4, tensorboard=True))
+    assert ('train/loss', 4) in scalars and ('val/top1', 4) in scalars and ('val_ema/top1', 4) in scalars
+    monkeypatch.setitem(sys.modules, 'torch.utils.tensorboard', None)  # import fails: the run goes on
+    from vitblocks.experiments.runlog import MetricsLog
+    assert 'pip install tensorboard' in MetricsLog(tmp_path, tensorboard=True).tb_note
+
+
+def test_max_steps_is_a_budget(data, tmp_path):
+    result = train(tiny_cfg(data, tmp_path, max_steps=5))
+    assert result.global_step == 5
+    ckpt = load_checkpoint(tmp_path / 'run' / 'last.pth')
+    assert (ckpt['epoch'], ckpt['epoch_step']) == (0, 5)
+    assert result.final is not None  # evaluated at the stop
+
+
+def test_refuses_to_overwrite_a_run(data, tmp_path):
+    train(tiny_cfg(data, tmp_path, max_steps=1))
+    with pytest.raises(ConfigError, match='already holds a run'):
+        train(tiny_cfg(data, tmp_path, max_steps=1))
+
+
+# --- exact resume ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('pipeline', ['tensor', 'pil'])
+def test_resume_mid_epoch_is_exact(data, tmp_path, pipeline):
+    """Stop after 7 steps (mid-epoch 0), resume, and land on the uninterrupted run's weights."""
+    full = tmp_path / 'full'
+    train(tiny_cfg(data, full, epochs=2, pipeline=pipeline))
+    part = tmp_path / 'part'
+    train(tiny_cfg(data, part, epochs=2, pipeline=pipeline, max_steps=7))
+    result = train(tiny_cfg(data, part, epochs=2, pipeline=pipeline), resume=part / 'run')
+    assert result.global_step == 24
+    assert_same_weights(full / 'run' / 'last.pth', part / 'run' / 'last.pth')
+    # evaluations after the resume match (the stop at step 7 adds its own train and val rows)
+    val = lambda run: [r for r in losses(run) if r[1] == 'val' and r[0] != '7']
+    assert val(part / 'run') == val(full / 'run')
+
+
+def test_pil_pipeline_batches_do_not_depend_on_worker_count(data, tmp_path):
+    for workers in (0, 2):
+        train(tiny_cfg(data, tmp_path / str(workers), pipeline='pil', workers=workers, max_steps=4,
+                       auto_augment='rand-m9'))
+    assert_same_weights(tmp_path / '0' / 'run' / 'last.pth', tmp_path / '2' / 'run' / 'last.pth')
+
+
+def test_sigkill_and_resume_matches_uninterrupted_run(data, tmp_path):
+    """Kill a training subprocess with SIGKILL right after a mid-epoch checkpoint, resume it, compare."""
+    kw = dict(epochs=3, checkpoint_interval=5)
+    full = tmp_path / 'full'
+    train(tiny_cfg(data, full, **kw))
+
+    killed = tmp_path / 'killed'
+    cfg_file = tmp_path / 'killed.yaml'
+    cfg_file.write_text(yaml.safe_dump(tiny_cfg(data, killed, **kw).to_dict()))
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    cmd = [sys.executable, '-m', 'vitblocks.experiments', str(cfg_file)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    last = killed / 'run' / 'last.pth'
+    deadline = time.monotonic() + 120
+    while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    out = proc.communicate()[0].decode(errors='replace')
+    assert proc.returncode == -signal.SIGKILL, out
+    ckpt = load_checkpoint(last)
+    total = 3 * (96 // 8)
+    assert 0 < ckpt['global_step'] < total, f'killed at step {ckpt["global_step"]} of {total}'
+    assert not (killed / 'run' / 'results.json').exists()
+
+    resumed = subprocess.run(cmd + ['--resume'], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert load_checkpoint(last)['global_step'] == total
+    assert_same_weights(full / 'run' / 'last.pth', last)
+    assert losses(killed / 'run') == losses(full / 'run')
+
+
+# --- faults ----------------------------------------------------------------------------------------------
+
+class NaNAfter(nn.Module):
+    """A tiny ViT whose output turns NaN at the ``bad``-th training forward."""
+
+    def __init__(self, bad: int):
+        super().__init__()
+        self.net = timm.create_model('vit_tiny_patch16_224', num_classes=4, **TINY_VIT)
+        self.bad, self.calls = bad, 0
+        self.patch_embed = self.net.patch_embed
+
+    def get_classifier(self):
+        return self.net.get_classifier()
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        y = self.net(x)
+        return y * float('nan') if self.training and self.calls == self.bad else y
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
+    cfg = tiny_cfg(data, tmp_path, checkpoint_interval=2, mixup=0, cutmix=0)
+    with pytest.raises(TrainingDiverged, match=r'loss is nan at step 5.*last good checkpoint is .*last\.pth'):
+        train(cfg, model=NaNAfter(bad=5))
+    ckpt = load_checkpoint(tmp_path / 'run' / 'last.pth')
+    assert ckpt['global_step'] == 4
+    assert all(torch.isfinite(v).all() for v in ckpt['model'].values() if v.is_floating_point())
+
+
+def test_truncated_and_foreign_checkpoints_are_refused(data, tmp_path):
+    train(tiny_cfg(data, tmp_path, max_steps=2))
+    good = tmp_path / 'run' / 'last.pth'
+    truncated = tmp_path / 'truncated.pth'
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r'truncated\.pth: not a readable PyTorch checkpoint; truncated'):
+        load_checkpoint(truncated)
+    foreign = tmp_path / 'foreign.pth'
+    torch.save({'weights': torch.zeros(2)}, foreign)
+    with pytest.raises(CheckpointError, match='not a vitblocks training checkpoint'):
+        load_checkpoint(foreign)
+    code = tmp_path / 'code.pth'
+    torch.save({'format': 'x', 'obj': ConfigError('runs code on load')}, code)
+    with pytest.raises(CheckpointError, match='refused to load'):
+        load_checkpoint(code)
+    with pytest.raises(CheckpointError, match='empty file'):
+        (tmp_path / 'empty.pth').write_bytes(b'')
+        load_checkpoint(tmp_path / 'empty.pth')
+
+
+def test_atomic_save_keeps_old_checkpoint_on_failure(tmp_path):
+    path = tmp_path / 'last.pth'
+    save_checkpoint({'x': torch.ones(1)}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError('boom')
+
+    with pytest.raises(RuntimeError, match='boom'):
+        save_checkpoint({'x': Unpicklable()}, path)
+    assert torch.equal(torch.load(path, weights_only=True)['x'], torch.ones(1))
+    assert [p.name for p in tmp_path.iterdir()] == ['last.pth']  # no temp file left
+
+
+# --- config ----------------------------------------------------------------------------------------------
+
+def test_recipes_state_source_and_launch_and_load():
+    assert set(list_recipes()) >= {'deit', 'repa', 'augreg', 'ninformer'}
+    for name in list_recipes():
+        lines = (ROOT / 'src/vitblocks/experiments/recipes' / f'{name}.yaml').read_text().splitlines()
+        head = '\n'.join(line for line in lines[:next(i for i, l in enumerate(lines) if not l.startswith('#'))])
+        assert '# Source:' in head and '# Launch:' in head and ' train --model ' in head, name
+        merge(load_recipe(name))
+    nin = merge(load_recipe('ninformer'))
+    assert (nin.opt, nin.lr, nin.batch_size, nin.epochs, nin.weight_decay) == ('adam', 1e-3, 128, 100, 0.0)
+    repa = merge(load_recipe('repa'))
+    assert (repa.opt, repa.lr_base, repa.warmup_epochs) == ('lamb', 5e-3, 20)
+
+
+def test_config_errors_say_what_to_fix():
+    with pytest.raises(ConfigError, match="unknown config key 'lrr'. Did you mean: lr"):
+        parse_overrides(['lrr=1'])
+    with pytest.raises(ConfigError, match='KEY=VALUE'):
+        parse_overrides(['lr'])
+    with pytest.raises(ConfigError, match='epochs=0: expected a positive integer'):
+        merge({'epochs': 0})
+    with pytest.raises(ConfigError, match="unknown recipe 'dei'. Did you mean: deit"):
+        load_recipe('dei')
+
+
+# --- CLI ---------------------------------------------------------------------------------------------------
+
+def run_cli(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_train_eval_and_resume(data, tmp_path, capsys):
+    kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=none',
+          'tensorboard=false']
+    code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
+                             'ninformer', '--epochs', 2, '--max-steps', 3, '--batch-size', 8, '--output', tmp_path,
+                             '--name', 'r', '--threads', 1, *kw)
+    assert code == 0, err
+    assert 'trained  3 steps' in out and 'final    top-1' in out
+    code, out, err = run_cli(capsys, 'train', '--resume', tmp_path / 'r', '--lr', 0.5)
+    assert code == 2 and 'cannot change lr' in err
+    code, out, err = run_cli(capsys, 'train', '--resume', tmp_path / 'r', 'max_steps=null')  # lift the budget
+    assert code == 0 and 'trained  24 steps' in out, err
+
+    code, out, err = run_cli(capsys, 'eval', '--checkpoint', tmp_path / 'r' / 'last.pth', '--data', data,
+                             '--threads', 1, '--json', tmp_path / 'eval.json')
+    assert code == 0, err
+    ckpt_top1 = load_checkpoint(tmp_path / 'r' / 'last.pth')
+    assert 'top-1' in out and 'images/s' in out and 'GMACs' in out
+    assert 'class0' in out  # per-class table for small class counts
+    import json
+    res = json.loads((tmp_path / 'eval.json').read_text())
+    (result,) = res['results'].values()
+    assert result['num_images'] == 40
+    final = json.loads((tmp_path / 'r' / 'results.json').read_text())['final']
+    assert result['top1'] == pytest.approx(final['top1'])  # same model, same un-augmented test split
+    assert ckpt_top1['global_step'] == 24
+
+    code, out, err = run_cli(capsys, 'eval', '--checkpoint', tmp_path / 'r' / 'last.pth', '--data', data,
+                             '--reparam', '--threads', 1)
+    assert code == 0 and 'reparameterized' in out, err
+
+
+@pytest.mark.parametrize('argv, fragment', [
+    (['train', '--model', 'vit_tiny_patch16_224'], '--model and --data are required'),
+    (['train', '--model', 'vit_tiny_patch16', '--data', '{data}'], 'Did you mean'),
+    (['train', '--model', 'vit_tiny_patch16_224', '--data', '/no/such/dir'], '/no/such/dir: no such file'),
+    (['train', '--model', 'vit_tiny_patch16_224', '--data', '{data}', '--config', 'dei'], 'Did you mean: deit'),
+    (['train', '--model', 'vit_tiny_patch16_224', '--data', '{data}', 'epochz=3'], 'Did you mean: epochs'),
+    (['eval', '--checkpoint', '/no/such.pth', '--data', '{data}'], '/no/such.pth: no such checkpoint file'),
+    (['eval', '--checkpoint', '{foreign}', '--data', '{data}'], 'say which model it holds with --model'),
+])
+def test_cli_user_errors_are_one_line(data, tmp_path, capsys, argv, fragment):
+    foreign = tmp_path / 'w.pth'
+    torch.save({'w': torch.zeros(1)}, foreign)
+    argv = [a.format(data=data, foreign=foreign) for a in argv]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and 'Traceback' not in err
+    assert fragment in err
+
+
+# --- DDP ---------------------------------------------------------------------------------------------------
+
+def test_torchrun_two_cpu_processes_train_and_evaluate(data, tmp_path):
+    cfg = tiny_cfg(data, tmp_path, epochs=1, batch_size=4, checkpoint_interval=5)
+    cfg_file = tmp_path / 'ddp.yaml'
+    cfg_file.write_text(yaml.safe_dump(cfg.to_dict()))
+    torchrun = shutil.which('torchrun', path=str(Path(sys.executable).parent)) or 'torchrun'
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    cmd = [torchrun, '--standalone', '--nproc_per_node', '2', '-m', 'vitblocks.experiments', str(cfg_file)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode and re.search(r'(?i)address already in use|rendezvous', proc.stderr):
+        shutil.rmtree(tmp_path / 'run', ignore_errors=True)  # a port taken by another process: launch once more
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+    res = json.loads((tmp_path / 'run' / 'results.json').read_text())
+    # each process takes 96 / 2 = 48 images per epoch: 12 steps of 4, global batch 8
+    assert res['global_step'] == 12
+    assert res['final']['num_images'] == 40  # the two ranks' halves of the test split, each counted once
+    ckpt = load_checkpoint(tmp_path / 'run' / 'last.pth')
+    assert len(ckpt['rng']) == 2  # both processes' RNG states, for exact resume
+    assert not any(k.startswith('module.') for k in ckpt['model'])
+
+
+# --- reproduce, plot, robustness ----------------------------------------------------------------------------
+
+def test_reproduce_ninformer_table1_with_a_budget(tmp_path, capsys):
+    from _train_helpers import write_shards
+    root = tmp_path / 'data'
+    write_shards(root / 'mnist', 'train', n=128, per_shard=128, size=28, channels=1, num_classes=10)
+    write_shards(root / 'mnist', 'test', n=32, per_shard=32, size=28, channels=1, num_classes=10, seed=1)
+    argv = ['reproduce', 'ninformer-table1', '--datasets', 'mnist,cifar100', '--models', 'NiNformer (ours)',
+            '--max-steps', 1, '--threads', 1, '--data-root', root, '--output', tmp_path / 'out', '--set',
+            'progress=none', 'tensorboard=false']
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    line = next(l for l in out.splitlines() if l.startswith('NiNformer (ours)'))
+    cells = line.split()[2:]  # after the two words of the label: ours, paper, delta, epochs per dataset
+    assert cells[1:3] == ['98.61', f'{float(cells[0]) - 98.61:+.2f}'] and cells[4:6] == ['-', '53.78']
+    assert 'CIFAR-100 is not available here' in out
+    run_dir = tmp_path / 'out' / 'mnist' / 'ninformer_vit_patch4_28'
+    cfg = yaml.safe_load((run_dir / 'config.yaml').read_text())
+    assert (cfg['opt'], cfg['lr'], cfg['batch_size'], cfg['mlp_drop'], cfg['max_steps']) == ('adam', 1e-3, 128, 0.5, 1)
+    assert cfg['hflip'] == 0.0  # no mirrored digits
+    stamp = (run_dir / 'results.json').stat().st_mtime_ns
+    code, out2, _ = run_cli(capsys, *argv)  # a finished run is reused, not retrained
+    assert code == 0 and (run_dir / 'results.json').stat().st_mtime_ns == stamp and line in out2
+    argv[argv.index('--max-steps') + 1] = 2  # a larger budget continues the run from step 1
+    code, out3, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert load_checkpoint(run_dir / 'last.pth')['global_step'] == 2
+    assert yaml.safe_load((run_dir / 'config.yaml').read_text())['max_steps'] == 2
+
+
+def test_plot_curves_and_tradeoff(data, tmp_path, capsys):
+    for name, width in (('a', 16), ('b', 32)):
+        kw = dict(TINY_VIT, embed_dim=width)
+        train(tiny_cfg(data, tmp_path, name=name, epochs=2, model_kwargs=kw, model_ema=False))
+    code, out, err = run_cli(capsys, 'plot', tmp_path / 'a', tmp_path / 'b', '--output', tmp_path / 'figs',
+                             '--threads', 1, '--repeats', 2, '--latency-batch', 4)
+    assert code == 0, err
+    for png in (tmp_path / 'a' / 'curves.png', tmp_path / 'b' / 'curves.png', tmp_path / 'figs' / 'tradeoff.png'):
+        assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    gmacs = [float(l.split(',')[1].split()[0]) for l in out.splitlines() if 'GMACs' in l]
+    assert len(gmacs) == 2 and gmacs[1] > gmacs[0]  # the wider model costs more
+    assert 'ms/batch' in out
+    code, _, err = run_cli(capsys, 'plot', tmp_path)
+    assert code == 2 and 'not a run folder' in err
+
+
+def test_eval_imagenet_r_restricts_logits_to_its_200_classes(tmp_path, capsys):
+    from safetensors.torch import save_file
+    from vitblocks.experiments.robustness import _imagenet_synsets, _subset_classes, mean_corruption_error
+    from PIL import Image
+    import numpy as np
+    wnids = _subset_classes('imagenet-r')
+    for w in wnids[:2]:
+        (tmp_path / 'r' / w).mkdir(parents=True)
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / 'r' / w / 'x.png')
+    model = timm.create_model('vit_tiny_patch16_224', num_classes=1000, **TINY_VIT)
+    with torch.no_grad():  # a head that always answers the second ImageNet-R class
+        model.head.weight.zero_()
+        model.head.bias.zero_()
+        model.head.bias[_imagenet_synsets().index(wnids[1])] = 10.0
+        model.head.bias[0] = 20.0  # a class outside ImageNet-R: ignored by the 200-class protocol
+    save_file(model.state_dict(), str(tmp_path / 'w.safetensors'))
+    code, out, err = run_cli(capsys, 'eval', '--model', 'vit_tiny_patch16_224', '--checkpoint',
+                             tmp_path / 'w.safetensors', '--data', tmp_path / 'r', '--robustness', 'imagenet-r',
+                             '--threads', 1, 'model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, '
+                             'num_heads: 2}', 'mean=[0.5, 0.5, 0.5]', 'std=[0.5, 0.5, 0.5]')
+    assert code == 0, err
+    assert 'top-1    50.00%' in out  # one of the two images is of the class the head answers
+    mce = mean_corruption_error({'fog': {1: 10.0, 2: 30.0}, 'snow': {1: 40.0}}, {'fog': 40.0, 'snow': 80.0})
+    assert mce == {'fog': 50.0, 'snow': 50.0, 'mean': 50.0}
