@@ -8,13 +8,13 @@ import sys
 import textwrap
 from typing import List, Optional
 
-from . import bench, compare, list_models, plot, profile_model, reproduce, train
+from . import analyze, bench, compare, list_models, plot, profile_model, reproduce, train
 from . import eval as eval_cmd  # module is eval.py; keeps the builtin unshadowed
 from .common import ArgumentParser, CliError
 
 __all__ = ['main', 'build_parser']
 
-COMMANDS = (compare, profile_model, bench, list_models, train, eval_cmd, plot, reproduce)
+COMMANDS = (compare, profile_model, bench, list_models, train, eval_cmd, plot, reproduce, analyze)
 
 EPILOG = """\
 examples:
@@ -25,6 +25,7 @@ examples:
   vitblocks train --model ninformer_vit_patch4_32 --data /path/to/cifar10 --config ninformer
   vitblocks eval --checkpoint runs/RUN/best.pth --data /path/to/cifar10
   vitblocks reproduce ninformer-table1 --datasets mnist --max-steps 60 --test-subset 2000
+  vitblocks analyze collapse deit_small_patch16_224
 """
 
 

@@ -17,7 +17,7 @@ examples:
   vitblocks analyze collapse deit_small_patch16_224
   vitblocks analyze collapse mabvit_prglu_vit_small_patch16_18x1_224 --out prglu18.png
   vitblocks analyze collapse deit_tiny_patch16_224 --batch-size 4 --input-size 3 224 224
-  vitblocks analyze collapse my_model --checkpoint runs/last.pth.tar
+  vitblocks analyze collapse vit_small_patch16_224 --checkpoint runs/vit_s/last.pth.tar --no-plot
 """
 
 COLLAPSE_EPILOG = """\

@@ -5,3 +5,5 @@ from .iffn import IFFN, DepthwiseBlock, SumOfNonlinearities
 from .layout import TokenLayout, apply_spatial, check_grid, merge_tokens, split_tokens
 from .registry import FFN_REGISTRY, create_ffn, list_ffns, register_ffn
 from .repa import RePaDeployedFFN, RePaFFN, TokenBatchNorm, active_channels, repa_ffn
+from .value_attention import GATED_VALUE_ACTIVATIONS, VALUE_ACTIVATIONS, ParallelBlock, ValueActivationAttention
+from .gating import LocalityFFN, MixerGatingUnit

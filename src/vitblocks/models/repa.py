@@ -49,7 +49,8 @@ def _swap_repa(model, cfg):
 
 
 for _name, _base, _kwargs in REPA_TABLE1_BASES:
-    _note = ' built with patch_size=16 (ViT-H/16 as in the paper; timm has only ViT-H/14)' if _kwargs else ''
+    _note = f'; timm {_base} built with patch_size=16 (ViT-H/16 as in the paper; timm has only ViT-H/14)' \
+        if _kwargs else ''
     register_variant(VariantSpec(
         name=f'repa_{_name}', method='repa', base=_base, build=_swap_repa,
         cfg=dict(idle_ratio=0.75), base_kwargs=dict(_kwargs),

@@ -1,0 +1,159 @@
+"""Residual-growth probe: how large each block's branch outputs are next to the residual stream.
+
+MABViT's hypothesis ("Representational Collapse", "Methodology"): in a pre-LN transformer the
+residual stream ``X`` grows with depth while the attention and MLP outputs added to it stay
+about the same size, so deeper blocks change ``X`` less and less (``X_{i+1} ~ X_i``), and a
+parallel block behaves like a sequential one. This probe measures exactly that, per block::
+
+    X_mid = X_in  + attn_branch        # attention (token-mixer) update
+    X_out = X_mid + mlp_branch         # MLP update (a parallel block adds both to X_in: same sums)
+
+    attn_ratio = |attn_branch| / |X_in|,   mlp_ratio = |mlp_branch| / |X_mid|
+
+where ``|.|`` is the L2 norm over channels of each token, averaged over tokens and images.
+``cosine`` is the mean per-token cosine similarity of ``X_in`` and ``X_out``.
+
+Works on timm ViT-style models without editing them: forward hooks on each ``blocks[i]`` and on
+its two branch outputs, ``ls1`` and ``ls2`` (timm ``Block``: ``x + ls1(attn(norm1 x))``, then
+``+ ls2(mlp(norm2 x))``; ``nn.Identity`` without layer-scale). That covers timm's
+VisionTransformer family (ViT, DeiT, ...) and the vitblocks variants built on it (MABViT,
+parallel blocks, NiNformer's gating unit in place of attention). Eval mode, so drop-path and
+dropout are off.
+"""
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+__all__ = ['BlockNorms', 'CollapseReport', 'residual_growth', 'plot_residual_growth']
+
+
+@dataclass(frozen=True)
+class BlockNorms:
+    """Mean per-token L2 norms at one block (see the module docstring)."""
+    index: int
+    stream_in: float  # |X_in|, the residual stream entering the block
+    attn: float  # |attention branch output|, as added to the stream
+    stream_mid: float  # |X_in + attention branch|, the stream the MLP output is added to
+    mlp: float  # |MLP branch output|
+    stream_out: float  # |X_out|
+    cosine: float  # mean cos(X_in, X_out) over tokens
+
+    @property
+    def attn_ratio(self) -> float:
+        return self.attn / self.stream_in
+
+    @property
+    def mlp_ratio(self) -> float:
+        return self.mlp / self.stream_mid
+
+
+@dataclass
+class CollapseReport:
+    model: str
+    input_shape: Tuple[int, ...]  # (B, C, H, W) of the probe batch
+    blocks: List[BlockNorms] = field(default_factory=list)
+
+    def as_dicts(self) -> List[Dict[str, float]]:
+        return [dict(asdict(b), attn_ratio=b.attn_ratio, mlp_ratio=b.mlp_ratio) for b in self.blocks]
+
+
+def _token_norm(x: torch.Tensor) -> torch.Tensor:
+    return x.float().norm(dim=-1).mean()  # (B, N, C) -> mean over (B, N) of the L2 norm over C
+
+
+def _probe_points(model: nn.Module):
+    blocks = getattr(model, 'blocks', None)
+    if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
+        raise ValueError(f'the collapse probe needs a timm ViT-style model with a .blocks sequence; '
+                         f'{type(model).__name__} has none')
+    for i, blk in enumerate(blocks):
+        if not all(isinstance(getattr(blk, a, None), nn.Module) for a in ('ls1', 'ls2')):
+            raise ValueError(f'blocks.{i} is a {type(blk).__name__}; the collapse probe supports timm ViT-style '
+                             f'blocks whose branches end in ls1 (attention) and ls2 (MLP), as timm\'s Block')
+    return blocks
+
+
+@torch.no_grad()
+def residual_growth(model: nn.Module, inputs: torch.Tensor, name: str = '') -> CollapseReport:
+    """Run ``model`` once on ``inputs`` (eval mode, restored after) and measure every block.
+
+    Args:
+        model: a timm ViT-style model (``model.blocks[i]`` with ``ls1``/``ls2`` branch ends).
+        inputs: an image batch ``(B, C, H, W)``.
+        name: label for the report (e.g. the model name).
+
+    Returns:
+        A :class:`CollapseReport` with one :class:`BlockNorms` per block.
+    """
+    blocks = _probe_points(model)
+    captured: Dict[Tuple[int, str], torch.Tensor] = {}
+    results: List[BlockNorms] = []
+
+    def keep(i: int, key: str):
+        def hook(module, args, output):
+            captured[(i, key)] = output
+        return hook
+
+    def keep_input(i: int):
+        def hook(module, args):
+            captured[(i, 'in')] = args[0]
+        return hook
+
+    def finish(i: int):
+        def hook(module, args, output):
+            missing = [k for k in ('in', 'attn', 'mlp') if (i, k) not in captured]
+            if missing:
+                raise RuntimeError(f'blocks.{i} ({type(module).__name__}) did not run its '
+                                   f'{" and ".join(missing)} branch through ls1/ls2; the probe cannot see it')
+            x_in, a, m = captured.pop((i, 'in')), captured.pop((i, 'attn')), captured.pop((i, 'mlp'))
+            x_mid = x_in + a
+            cos = torch.nn.functional.cosine_similarity(x_in.float(), output.float(), dim=-1).mean()
+            results.append(BlockNorms(i, _token_norm(x_in).item(), _token_norm(a).item(), _token_norm(x_mid).item(),
+                                      _token_norm(m).item(), _token_norm(output).item(), cos.item()))
+        return hook
+
+    handles = []
+    for i, blk in enumerate(blocks):
+        handles += [blk.register_forward_pre_hook(keep_input(i)), blk.ls1.register_forward_hook(keep(i, 'attn')),
+                    blk.ls2.register_forward_hook(keep(i, 'mlp')), blk.register_forward_hook(finish(i))]
+    was_training = model.training
+    model.eval()
+    try:
+        model(inputs)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return CollapseReport(model=name or type(model).__name__, input_shape=tuple(inputs.shape), blocks=results)
+
+
+def plot_residual_growth(report: CollapseReport, path: Union[str, Path], title: Optional[str] = None) -> Path:
+    """Plot norms (log scale) and branch/stream ratios per block to a PNG at ``path``; returns the path."""
+    try:
+        import matplotlib
+        matplotlib.use('Agg')  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError('plotting needs matplotlib: pip install matplotlib') from e
+    idx = [b.index for b in report.blocks]
+    fig, (ax_norm, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    ax_norm.plot(idx, [b.stream_in for b in report.blocks], 'k-o', label='residual stream |X_in|')
+    ax_norm.plot(idx, [b.attn for b in report.blocks], 'C0-s', label='attention branch')
+    ax_norm.plot(idx, [b.mlp for b in report.blocks], 'C1-^', label='MLP branch')
+    ax_norm.set(yscale='log', xlabel='block', ylabel='mean per-token L2 norm', title='norms')
+    ax_ratio.plot(idx, [b.attn_ratio for b in report.blocks], 'C0-s', label='|attn| / |X_in|')
+    ax_ratio.plot(idx, [b.mlp_ratio for b in report.blocks], 'C1-^', label='|mlp| / |X_in + attn|')
+    ax_ratio.plot(idx, [b.cosine for b in report.blocks], 'k--', label='cos(X_in, X_out)')
+    ax_ratio.set(xlabel='block', ylabel='ratio', title='branch update relative to the stream')
+    for ax in (ax_norm, ax_ratio):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=.3)
+    b, c, h, w = report.input_shape
+    fig.suptitle(title or f'{report.model}: residual growth ({b} inputs, {c}x{h}x{w})')
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

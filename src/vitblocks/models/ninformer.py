@@ -1,0 +1,154 @@
+"""NiNformer models: the four models of the NiNformer paper at its Sec. 4 settings.
+
+All four share the paper's skeleton (Procedures 1-4, and the authors' code for NiNformer):
+patch 4, width 256, 4 blocks, a convolutional patch embedding, no class token, no position
+embedding, no final norm, global average pooling, one linear classifier. 32x32x3 input
+(CIFAR-10/100) or 28x28x1 (MNIST); 10 classes by default (``num_classes=100`` for CIFAR-100).
+
+Models (``_32``: 32x32x3 input, ``_28``: 28x28x1), blocks and parameters (10 classes):
+
+* ``ninformer_vit_patch4_*``, NiNformer: gating unit (MLP-Mixer sub-unit, token and channel
+  MLP 512) + MLP 512, one shared LayerNorm per block; 2,652,170 / 2,582,478 params.
+* ``ninformer_baseline_vit_patch4_*``: attention (4 heads) + MLP 512; 2,123,530 / 2,115,338.
+* ``ninformer_baseline_mixer_patch4_*``: token MLP 512 + channel MLP 512; 1,335,306 / 1,265,614.
+* ``ninformer_baseline_localvit_patch4_*``: attention (4 heads) + locality FFN 512 (3x3
+  depthwise); 2,144,010 / 2,135,818.
+
+All four are timm ``VisionTransformer`` s (the ``vit_tiny_patch16_224`` entry with the paper's
+arguments) plus surgery: none for ViT, ``swap_ffn(model, 'locality')`` for LocalViT,
+:func:`swap_gating_unit` for NiNformer and :func:`mixer_blocks` (timm's ``MixerBlock``) for
+MLP-Mixer; timm's ``MlpMixer`` entry points fix patch size and depth, so they cannot take the
+paper's settings.
+
+Interpretation notes:
+
+* NiNformer follows the authors' code: ``Linear(x) * MixerBlock(x)`` with no gate activation,
+  one LayerNorm instance before both sub-layers of a block (``norm2`` is ``norm1``).
+* The paper gives no position embedding, class token or final norm for any of the four models
+  (Procedures 1-4 go from patch embedding to blocks to average pooling); we build all four that
+  way, so they differ only in their blocks. ``timm.create_model(name, pos_embed='learn')`` adds a
+  learned position embedding to the ViT-based ones.
+* Dropout: the paper states none; the authors' NiNformer script uses 0.5 inside every MLP.
+  Default 0 here; ``block_cfg=dict(drop=0.5)`` reproduces the script for NiNformer.
+"""
+from functools import partial
+
+from timm.layers import LayerNorm
+from timm.models import named_apply
+from timm.models.mlp_mixer import MixerBlock
+from timm.models.vision_transformer import VisionTransformer, init_weights_vit_timm
+from torch import nn
+
+from ..layers.gating import MixerGatingUnit
+from .registry import VariantSpec, default_cfgs, register_variant
+from .surgery import swap_ffn
+
+__all__ = ['swap_gating_unit', 'mixer_blocks', 'NINFORMER_MODELS', 'NINFORMER_PAPER_SETTINGS']
+
+# Sec. 4: patch 4, width 256, 4 layers, 4 heads, MLP 512; inner Mixer token / channel MLP 512
+NINFORMER_PAPER_SETTINGS = dict(patch_size=4, embed_dim=256, depth=4, num_heads=4, mlp_dim=512,
+                                token_mlp_dim=512, channel_mlp_dim=512)
+
+
+def swap_gating_unit(model: nn.Module, token_mlp_dim: int = 512, channel_mlp_dim: int = 512,
+                     shared_norm: bool = True, drop: float = 0.) -> int:
+    """Turn every block of a timm ViT into a NiNformer block (Eq. 8-10), in place.
+
+    ``blocks[i].attn`` becomes a :class:`~vitblocks.layers.MixerGatingUnit` for the model's
+    fixed token count; with ``shared_norm`` (the authors' code) ``blocks[i].norm2`` becomes the
+    same module as ``norm1``. Returns the number of blocks changed.
+    """
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f'swap_gating_unit supports timm VisionTransformer models, got {type(model).__name__}')
+    if model.dynamic_img_size:
+        raise ValueError('the gating unit mixes a fixed number of tokens; build the model with '
+                         'dynamic_img_size=False (fixed img_size)')
+    num_tokens = model.patch_embed.num_patches + model.num_prefix_tokens
+    ref = model.patch_embed.proj.weight
+    for blk in model.blocks:
+        unit = MixerGatingUnit(model.embed_dim, num_tokens, token_mlp_dim, channel_mlp_dim, drop=drop,
+                               device=ref.device, dtype=ref.dtype)
+        blk.attn = unit.train(blk.training)
+        if shared_norm:
+            blk.norm2 = blk.norm1  # one LayerNorm instance before Eq. 9 and Eq. 10
+    return len(model.blocks)
+
+
+def _build_ninformer(model, cfg):
+    swap_gating_unit(model, **cfg)
+
+
+def _build_vit(model, cfg):
+    if cfg:
+        raise ValueError(f'the NiNformer-paper ViT takes no block config, got {sorted(cfg)}')
+
+
+def _build_localvit(model, cfg):
+    swap_ffn(model, 'locality', **cfg)
+
+
+def mixer_blocks(model: nn.Module, token_mlp_dim: int = 512, channel_mlp_dim: int = 512, drop: float = 0.) -> int:
+    """Replace every block of a timm ViT with a timm ``MixerBlock`` (token MLP, then channel MLP), in place.
+
+    With no class token, no position embedding and average pooling, a timm ``VisionTransformer``
+    whose blocks are Mixer blocks is an MLP-Mixer: patch embedding, Mixer blocks, pooling, head
+    (timm's ``MlpMixer`` entry points fix patch size and depth, so it cannot be built through them
+    at the paper's settings). New blocks get timm's ViT initialization, like the other models of
+    the comparison. Returns the number of blocks.
+    """
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f'mixer_blocks supports timm VisionTransformer models, got {type(model).__name__}')
+    dim, num_tokens = model.embed_dim, model.patch_embed.num_patches + model.num_prefix_tokens
+    ref = model.patch_embed.proj.weight
+    ratios = ((token_mlp_dim + .5) / dim, (channel_mlp_dim + .5) / dim)  # MixerBlock sizes MLPs as int(ratio * dim)
+    blocks = [MixerBlock(dim, num_tokens, mlp_ratio=ratios, norm_layer=LayerNorm, drop=drop,
+                         device=ref.device, dtype=ref.dtype) for _ in model.blocks]
+    for blk in blocks:
+        named_apply(partial(init_weights_vit_timm, needs_reset=True), blk)
+    model.blocks = nn.Sequential(*blocks).train(model.training)
+    return len(blocks)
+
+
+def _build_mixer(model, cfg):
+    mixer_blocks(model, **cfg)
+
+
+_P = NINFORMER_PAPER_SETTINGS
+_VIT_ARGS = dict(patch_size=_P['patch_size'], embed_dim=_P['embed_dim'], depth=_P['depth'], num_heads=_P['num_heads'],
+                 mlp_ratio=_P['mlp_dim'] / _P['embed_dim'], class_token=False, global_pool='avg', pos_embed='none',
+                 final_norm=False, num_classes=10)
+_INPUTS = {'32': dict(img_size=32, in_chans=3), '28': dict(img_size=28, in_chans=1)}
+
+# (name without the input suffix, timm base, base args, build, block config, what it is, params at 32 / 28)
+NINFORMER_MODELS = (
+    ('ninformer_vit_patch4', 'vit_tiny_patch16_224', _VIT_ARGS, _build_ninformer,
+     dict(token_mlp_dim=_P['token_mlp_dim'], channel_mlp_dim=_P['channel_mlp_dim'], shared_norm=True, drop=0.),
+     'NiNformer (paper Sec. 3.2/4): gating unit with MLP-Mixer sub-unit (token/channel MLP 512) + MLP 512, '
+     'shared LayerNorm', (2_652_170, 2_582_478)),
+    ('ninformer_baseline_vit_patch4', 'vit_tiny_patch16_224', _VIT_ARGS, _build_vit, {},
+     'NiNformer-paper ViT baseline: attention (4 heads) + MLP 512', (2_123_530, 2_115_338)),
+    ('ninformer_baseline_mixer_patch4', 'vit_tiny_patch16_224', _VIT_ARGS, _build_mixer,
+     dict(token_mlp_dim=_P['token_mlp_dim'], channel_mlp_dim=_P['mlp_dim']),
+     'NiNformer-paper MLP-Mixer baseline: token MLP 512 + channel MLP 512', (1_335_306, 1_265_614)),
+    ('ninformer_baseline_localvit_patch4', 'vit_tiny_patch16_224', _VIT_ARGS, _build_localvit, dict(kernel_size=3),
+     'NiNformer-paper Local-ViT baseline: attention (4 heads) + locality FFN 512 (3x3 depthwise, h-swish)',
+     (2_144_010, 2_135_818)),
+)
+
+
+def _register(stem, base, args, build, cfg, what, params):
+    for (suffix, inputs), count in zip(_INPUTS.items(), params):
+        c, size = inputs['in_chans'], inputs['img_size']
+        name = f'{stem}_{suffix}'
+        register_variant(VariantSpec(
+            name=name, method='ninformer', base=base, build=build, cfg=dict(cfg), base_kwargs=dict(args, **inputs),
+            description=f'{what}; patch 4, width 256, 4 blocks, avg pool (timm {base} entry with these args); '
+                        f'{size}x{size}x{c} input, 10 classes: {count:,} params'))
+        # the data config of the built model (the timm base is a 224 px ImageNet model); the
+        # authors normalize with mean 0.5, std 0.5
+        default_cfgs[name].update(input_size=(c, size, size), fixed_input_size=True, crop_pct=1.0,
+                                  mean=(0.5,) * c, std=(0.5,) * c, num_classes=10)
+
+
+for _spec in NINFORMER_MODELS:
+    _register(*_spec)
