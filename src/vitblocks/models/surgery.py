@@ -11,12 +11,21 @@ when the input resolution changes.
 | SwinTransformer               | ``layers[s].blocks[i].mlp`` | tokens ``(B, H*W, C)`` (grid = block input) |
 | MetaFormer (PoolFormer)       | ``stages[s].blocks[i].mlp`` | channels-first ``(B, C, H, W)``           |
 | MlpMixer                      | ``blocks[i].mlp_channels``  | tokens ``(B, H*W, C)``; token MLPs untouched |
+| PyramidVisionTransformerV2    | ``stages[s].blocks[i].mlp`` | tokens ``(B, H*W, C)``; grid = the block's   |
+| (PVTv2)                       |                           | ``feat_size`` argument, read every forward  |
+| GlobalContextVit (GC ViT)     | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
+
+PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. A forward pre-hook on each block records
+``feat_size`` in the slot's layout and, for a swapped-in FFN (which takes tokens only), drops the
+extra argument before the FFN sees it; timm's own ``MlpWithDepthwiseConv`` still receives it.
 """
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
+from timm.models.gcvit import GlobalContextVit
 from timm.models.metaformer import MetaFormer
 from timm.models.mlp_mixer import MlpMixer
+from timm.models.pvt_v2 import MlpWithDepthwiseConv, PyramidVisionTransformerV2
 from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -25,7 +34,8 @@ from ..layers import TokenLayout, create_ffn
 
 __all__ = ['swap_ffn', 'find_ffn_slots', 'SUPPORTED_FAMILIES']
 
-SUPPORTED_FAMILIES = ('VisionTransformer', 'SwinTransformer', 'MetaFormer', 'MlpMixer')
+SUPPORTED_FAMILIES = ('VisionTransformer', 'SwinTransformer', 'MetaFormer', 'MlpMixer', 'PyramidVisionTransformerV2',
+                      'GlobalContextVit')
 
 # A slot: (parent module, attribute name, qualified name, layout for the new FFN).
 Slot = Tuple[nn.Module, str, str, TokenLayout]
@@ -65,6 +75,34 @@ def _block_layout(block: nn.Module, grid_size) -> TokenLayout:
     return layout
 
 
+def _drop_feat_size(mlp: nn.Module, args):
+    """Forward pre-hook on an FFN swapped into a PVTv2 block: call it with the tokens only."""
+    return args[:1]
+
+
+def _track_feat_size_arg(block: nn.Module, args) -> None:
+    """Forward pre-hook on a PVTv2 block, called as ``block(x, feat_size)``: record this forward's grid.
+
+    The block calls ``self.mlp(x, feat_size)``; an FFN put there by ``swap_ffn`` takes ``x`` only,
+    so it gets (once) a pre-hook that drops ``feat_size``. timm's ``MlpWithDepthwiseConv`` keeps it.
+    """
+    block._vitblocks_layout.grid_size = (int(args[1][0]), int(args[1][1]))
+    mlp = block.mlp
+    if not isinstance(mlp, MlpWithDepthwiseConv) and not getattr(mlp, '_vitblocks_drops_feat_size', False):
+        mlp.register_forward_pre_hook(_drop_feat_size)
+        mlp._vitblocks_drops_feat_size = True
+
+
+def _feat_size_arg_layout(block: nn.Module) -> TokenLayout:
+    """Layout of a PVTv2 block's MLP, kept current by a pre-hook reading the block's ``feat_size``."""
+    layout = getattr(block, '_vitblocks_layout', None)
+    if layout is None:
+        layout = TokenLayout(None, 0)  # set on every forward, before the MLP runs
+        block._vitblocks_layout = layout
+        block.register_forward_pre_hook(_track_feat_size_arg)
+    return layout
+
+
 def find_ffn_slots(model: nn.Module) -> List[Slot]:
     """List the channel-MLP slots of a supported timm model (empty list if unsupported)."""
     slots: List[Slot] = []
@@ -87,6 +125,14 @@ def find_ffn_slots(model: nn.Module) -> List[Slot]:
         layout = _shared_patch_layout(model.stem, 0)
         for i, blk in enumerate(model.blocks):
             slots.append((blk, 'mlp_channels', f'blocks.{i}.mlp_channels', layout))
+    elif isinstance(model, PyramidVisionTransformerV2):
+        for s, stage in enumerate(model.stages):
+            for i, blk in enumerate(stage.blocks):
+                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', _feat_size_arg_layout(blk)))
+    elif isinstance(model, GlobalContextVit):
+        for s, stage in enumerate(model.stages):
+            for i, blk in enumerate(stage.blocks):  # the blocks run on (B, H, W, C) maps
+                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, False)))
     return slots
 
 

@@ -1,0 +1,158 @@
+"""AFBO inference latency relative to its baseline, and each channel map against a dense matmul (CPU).
+
+Command (results and discussion: docs/afbo.md):
+
+    .venv/bin/python benchmarks/afbo_latency.py                 # batch 32, 1 thread, 10 timed batches
+    .venv/bin/python benchmarks/afbo_latency.py --threads 2     # torch's default on this 2-core VM
+
+What is measured, all in inference mode (eval + torch.inference_mode), wall-clock:
+
+1. end to end: median ms per batch of ``--batch-size`` (32) images for the AFBO model and its
+   baseline, measured interleaved batch by batch in one run (vitblocks.profile.benchmark_models),
+   so drift and other load on the machine hit both alike; the ratio of the medians is the figure.
+2. one FFN on the input it really gets (the first block's, e.g. 32 x 197 tokens x 192 channels for
+   DeiT-T): the AFBO layer against timm's Mlp it replaces, interleaved, median ms per call.
+3. each channel map (OCCM with G2, GCCM with G1, block-wise with G2, dense) on the same rows,
+   against a dense ``torch.mm`` with the same MACs *and* the same (tokens, Md) output: rows of
+   K = MACs/Md channels times a (K, Md) matrix, so both move the same output bytes; interleaved
+   call by call. "x dense" is map time / dense time: 1.00 means the map costs what its MACs
+   cost. Maps run as in the AFBO inference path: ``forward_into`` writes the output in place.
+
+The default is one intra-op thread: this VM's two cores are shared with other jobs, and with two
+threads every parallel region waits for whichever thread the OS has descheduled, which hits the
+model with more (smaller) ops harder and makes ratios swing from run to run (docs/afbo.md).
+"""
+import argparse
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import timm
+import torch
+from timm.layers import Mlp
+
+import vitblocks  # noqa: F401  (registers the afbo_* models with timm)
+from vitblocks.layers.afbo import AFBO
+from vitblocks.layers.channel_maps import create_channel_map, map_cost
+from vitblocks.models import find_ffn_slots
+from vitblocks.profile import benchmark_models, fixed_threads, input_size_of
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--models', nargs=2, metavar=('AFBO_MODEL', 'BASELINE'),
+                   default=['afbo_deit_tiny_patch16_224', 'deit_tiny_patch16_224'],
+                   help='the AFBO model and its baseline (default: %(default)s)')
+    p.add_argument('--batch-size', type=int, default=32, help='images per batch (default 32)')
+    p.add_argument('--threads', type=int, default=1, help='torch intra-op threads (default 1, see above)')
+    p.add_argument('--warmup', type=int, default=3, help='untimed batches per model (default 3)')
+    p.add_argument('--repeats', type=int, default=10, help='timed batches per model, median reported (default 10)')
+    p.add_argument('--layer-repeats', type=int, default=20,
+                   help='timed calls per FFN / channel map in parts 2 and 3 (default 20; 0 skips them)')
+    p.add_argument('--chunk-bytes', type=int,
+                   help=f'AFBO.inference_chunk_bytes (default {AFBO.inference_chunk_bytes}; 0 = whole batch at once)')
+    return p.parse_args(argv)
+
+
+def _interleaved(fns: Dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> Dict[str, List[float]]:
+    """ms per call of each function, called round-robin so load changes hit all of them alike."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _first_afbo(model) -> AFBO:
+    for parent, attr, _, _ in find_ffn_slots(model):
+        layer = getattr(parent, attr)
+        if isinstance(layer, AFBO):
+            return layer
+    raise SystemExit('the model has no AFBO layer')
+
+
+def _ffn_input(model, layer: AFBO, batch_size: int) -> torch.Tensor:
+    """The tensor the first AFBO layer receives for a batch (captured with a forward hook, batch 1)."""
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    with torch.inference_mode():
+        model(torch.randn(1, *input_size_of(model)))
+    handle.remove()
+    x = seen[0]
+    return x.expand(batch_size, *x.shape[1:]).contiguous() + 0.01 * torch.randn(batch_size, *x.shape[1:])
+
+
+def end_to_end(args) -> None:
+    afbo_name, base_name = args.models
+    models = {afbo_name: timm.create_model(afbo_name), base_name: timm.create_model(base_name)}
+    res = benchmark_models(models, batch_size=args.batch_size, input_size=input_size_of(models[base_name]),
+                           warmup=args.warmup, repeats=args.repeats, num_threads=args.threads)
+    base = res[base_name].median_ms
+    print(f'\n1. end to end, batch {args.batch_size}, {args.repeats} interleaved batches per model, ms per batch')
+    print(f'  {"model":34s} {"median":>8s} {"p10":>8s} {"p90":>8s} {"img/s":>7s} {"vs baseline":>12s}')
+    for name, r in res.items():
+        print(f'  {name:34s} {r.median_ms:8.1f} {r.p10_ms:8.1f} {r.p90_ms:8.1f} {r.images_per_s:7.1f} '
+              f'{r.median_ms / base:11.3f}x')
+    ratio = res[afbo_name].median_ms / base
+    print(f'  => {afbo_name} / {base_name} = {ratio:.3f}x (median latency, target <= 1.25x)')
+
+
+@torch.inference_mode()
+def layers(args) -> None:
+    model = timm.create_model(args.models[0]).eval()
+    layer = _first_afbo(model)
+    x = _ffn_input(model, layer, args.batch_size)
+    d, hid = layer.in_features, layer.hidden_features
+    mlp = Mlp(d, hid).eval()
+    with fixed_threads(args.threads):
+        t = _interleaved({'afbo': lambda: layer(x), 'mlp': lambda: mlp(x)}, args.layer_repeats)
+    a, m = statistics.median(t['afbo']), statistics.median(t['mlp'])
+    print(f'\n2. one FFN on its real input {tuple(x.shape)}, median ms per call ({args.layer_repeats} calls)')
+    print(f'  AFBO {a:.2f} ms, timm Mlp {m:.2f} ms: {a / m:.3f}x')
+
+    rows = x.reshape(-1, d)
+    g1 = layer.right_map.groups if layer.map_kinds[1] == 'gccm' else 2
+    g2 = layer.left_map.groups if layer.map_kinds[0] == 'occm' else 4
+    cases = [('occm', g2), ('gccm', g1), ('grouped', g2), ('dense', 1)]
+    print(f'\n3. channel maps {d} -> {hid} on {rows.shape[0]} tokens vs a dense mm with equal MACs and output, '
+          f'median ms per call ({args.layer_repeats} calls)')
+    print(f'  {"map":14s} {"MACs/token":>10s} {"map ms":>8s} {"dense ms":>9s} {"x dense":>8s} {"map GMAC/s":>11s}')
+    for kind, groups in cases:
+        cmap = create_channel_map(kind, d, hid, groups).eval()
+        macs = map_cost(kind, d, hid, groups)['macs']
+        k_eq = macs // hid  # same MACs and same output: (T, K) @ (K, Md)
+        rows_eq, w_eq = torch.randn(rows.shape[0], k_eq), torch.randn(k_eq, hid)
+        out_map, out_eq = rows.new_empty(rows.shape[0], hid), rows.new_empty(rows.shape[0], hid)
+        weight = cmap.bmm_weight()
+        with fixed_threads(args.threads):
+            t = _interleaved({'map': lambda: cmap.forward_into(rows, out_map, weight),
+                              'dense': lambda: torch.mm(rows_eq, w_eq, out=out_eq)}, args.layer_repeats)
+        tm, td = statistics.median(t['map']), statistics.median(t['dense'])
+        label = f'{kind} (G={groups})' if kind != 'dense' else 'dense'
+        print(f'  {label:14s} {macs:10d} {tm:8.2f} {td:9.2f} {tm / td:7.2f}x {rows.shape[0] * macs / tm / 1e6:11.1f}')
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.chunk_bytes is not None:
+        AFBO.inference_chunk_bytes = args.chunk_bytes
+    load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan')
+    print(f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {load:.1f}; '
+          f'torch {torch.__version__}, {args.threads} thread(s), AFBO.inference_chunk_bytes '
+          f'{AFBO.inference_chunk_bytes}')
+    torch.manual_seed(0)
+    end_to_end(args)
+    if args.layer_repeats:
+        layers(args)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,404 @@
+"""AFBO: the Asymmetric Factorized Bilinear Operation of "Asymmetric Factorized Bilinear
+Operation for Vision Transformer" (Wu et al., ICLR 2025), a drop-in for the FFN.
+
+Structure (Sec. 3.2, Eq. 4 with the activation moved before the product, Fig. 1b)::
+
+    x (d) -> left channel map  (OCCM, Eq. 7) -> (Md) -> spatial op (3x3 DW conv) -> act (SiLU) -.
+          -> right channel map (GCCM, Eq. 6) -> (Md) -> spatial op (3x3 DW conv) ------------- * -> fc2 -> (d)
+
+The "spatial-channel factorized bilinear operation" (SCFBO) replaces the FFN's fc1 by the
+element-wise product of two branches, each a channel mapping (CM) followed by spatial
+modelling (SM). The variants of Sec. 3.3 / Tables 1 and 14 differ in the channel maps of the
+two branches (``variant``):
+
+| variant      | left map     | right map    | paper                                   |
+| ------------ | ------------ | ------------ | --------------------------------------- |
+| ``afbo``     | OCCM (G2)    | GCCM (G1)    | AFBO, the default everywhere            |
+| ``scfbo_gc`` | GCCM (G1)    | GCCM (G1)    | SCFBO-GC (Table 1)                      |
+| ``scfbo_oc`` | OCCM (G2)    | OCCM (G2)    | SCFBO-OC (Table 1)                      |
+| ``full``     | dense        | dense        | FULL channel mapping, Eq. 4 (Table 14)  |
+| ``grouped``  | grouped (G)  | grouped (G)  | Group FFN / Group Convolution, Eq. 5 (Tables 1, 13) |
+
+Ablations (Sec. 4.4, appendix): ``order`` ('cm' = AFBO-C, 'sm' = AFBO-S, 'cm_sm' = AFBO-CS,
+the default, 'sm_cm' = AFBO-SC; Table 5), ``spatial`` ('dwconv', 'maxpool', 'avgpool',
+'attention' (CBAM), 'conv'; Tables 8, 10), ``kernel_size`` (Table 9), ``act_position``
+('pre'/'post'), ``act_layer`` ('silu', 'gelu', 'relu') and ``act_branch`` ('left', 'right',
+'both'; Table 6). Group numbers: ``gccm_groups`` = G1 (default 2), ``occm_groups`` = G2 (default
+4 as for DeiT and PoolFormer; the paper uses 3 for Swin, LVT and the MLP models, App. A.1).
+
+Choices where the paper is silent (docs/afbo.md has the reasoning):
+
+* Eq. 6 and Eq. 7 are read as documented in :mod:`vitblocks.layers.channel_maps`.
+* The spatial op is per branch (Eq. 4 has one for each) with a bias; prefix tokens (class,
+  distillation, register) skip it, as they have no place on the grid.
+* AFBO-S (``order='sm'``, "only spatial modeling") keeps the FFN's dense fc1 (d -> Md) as the
+  one channel mapping shared by both branches, so the branches differ only in their spatial
+  op; AFBO-SC (``order='sm_cm'``) applies the spatial op on the d input channels.
+* No normalization inside (timm's ``norm_layer`` slot after the product is kept, default none).
+"""
+from typing import Optional, Tuple, Type, Union
+
+import torch
+import torch.nn.functional as F
+from timm.layers import to_2tuple
+from torch import nn
+
+from .channel_maps import create_channel_map
+from .layout import TokenLayout, apply_spatial, check_grid
+from .registry import register_ffn
+
+__all__ = ['AFBO', 'SpatialAttention', 'create_spatial_op', 'AFBO_VARIANTS', 'SPATIAL_OPS', 'scfbo_gc', 'scfbo_oc',
+           'afbo_full']
+
+# variant -> (left channel map, right channel map); the left branch is the one activated by default
+AFBO_VARIANTS = {
+    'afbo': ('occm', 'gccm'),
+    'scfbo_gc': ('gccm', 'gccm'),
+    'scfbo_oc': ('occm', 'occm'),
+    'full': ('dense', 'dense'),
+    'grouped': ('grouped', 'grouped'),
+}
+SPATIAL_OPS = ('dwconv', 'maxpool', 'avgpool', 'attention', 'conv')
+ORDERS = ('cm', 'sm', 'cm_sm', 'sm_cm')
+
+_ACT_CLASSES = {'silu': nn.SiLU, 'swish': nn.SiLU, 'gelu': nn.GELU, 'relu': nn.ReLU}
+_ACT_INPLACE = {  # the inference path activates freshly written buffers in place
+    'silu': lambda t: F.silu(t, inplace=True),
+    'gelu': torch.ops.aten.gelu_,
+    'relu': torch.relu_,
+}
+
+
+def _act_name(act_layer: Union[str, Type[nn.Module]]) -> str:
+    if isinstance(act_layer, str):
+        key = act_layer.lower()
+        if key not in _ACT_CLASSES:
+            raise ValueError(f'unknown act_layer {act_layer!r}; AFBO supports {", ".join(sorted(_ACT_CLASSES))}')
+        return 'silu' if key == 'swish' else key
+    for key, cls in _ACT_CLASSES.items():
+        if isinstance(act_layer, type) and issubclass(act_layer, cls):
+            return 'silu' if key == 'swish' else key
+    raise ValueError(f'unsupported act_layer {act_layer!r}; AFBO supports {", ".join(sorted(_ACT_CLASSES))}')
+
+
+class SpatialAttention(nn.Module):
+    """CBAM spatial attention (Woo et al., 2018) as a spatial op: ``x * sigmoid(conv_k([max_c x, mean_c x]))``.
+
+    A k x k conv maps the channel-wise max and mean (2 maps) to one attention map shared by all
+    channels: ``2k^2 + 1`` parameters (Table 8's "Spatial Attention" row).
+    """
+
+    def __init__(self, kernel_size: int = 7, device=None, dtype=None):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 1, kernel_size, padding=kernel_size // 2, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
+        pooled = torch.cat([x.amax(dim=1, keepdim=True), x.mean(dim=1, keepdim=True)], dim=1)  # (B, 2, H, W)
+        return x * torch.sigmoid(self.conv(pooled))
+
+
+def create_spatial_op(kind: str, channels: int, kernel_size: int = 3, device=None, dtype=None) -> nn.Module:
+    """A ``(B, C, H, W) -> (B, C, H, W)`` spatial op (Eq. 4's K x K spatial modelling, Tables 8-10)."""
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f'kernel_size must be a positive odd number (same padding), got {kernel_size}')
+    dd = {'device': device, 'dtype': dtype}
+    pad = kernel_size // 2
+    if kind == 'dwconv':  # default: K x K depthwise conv with bias (W^s, b^s of Eq. 4, per channel)
+        return nn.Conv2d(channels, channels, kernel_size, padding=pad, groups=channels, **dd)
+    if kind == 'maxpool':
+        return nn.MaxPool2d(kernel_size, stride=1, padding=pad)
+    if kind == 'avgpool':
+        return nn.AvgPool2d(kernel_size, stride=1, padding=pad, count_include_pad=False)
+    if kind == 'attention':
+        return SpatialAttention(kernel_size, **dd)
+    if kind == 'conv':  # Table 10's "original convolution": dense K x K
+        return nn.Conv2d(channels, channels, kernel_size, padding=pad, **dd)
+    raise ValueError(f'unknown spatial op {kind!r}; choose one of {", ".join(SPATIAL_OPS)} (or order="cm" for none)')
+
+
+@register_ffn('afbo')
+class AFBO(nn.Module):
+    """Asymmetric Factorized Bilinear Operation (Sec. 3.2-3.3); a drop-in for timm's ``Mlp``.
+
+    Args:
+        in_features: input channels d.
+        hidden_features: Md, the width of both branches and of fc2's input (default 4d, M = 4).
+        out_features: output channels (default d).
+        act_layer: sigma: 'silu' (default, Sec. 4.4), 'gelu', 'relu', or the matching nn class.
+        norm_layer: optional norm on the Md-wide product before fc2 (timm ``Mlp`` slot; default none).
+        bias: bias of the channel maps and of fc2 (bool or pair).
+        drop: dropout after the product and after fc2 (float or pair).
+        variant: which channel maps the two branches use (module docstring table).
+        gccm_groups: G1, the GCCM group number (Eq. 6).
+        occm_groups: G2, the OCCM group number (Eq. 7).
+        block_groups: G of the block-wise map (Eq. 5), for ``variant='grouped'``.
+        left_map, right_map: override the variant's map of one branch ('dense', 'grouped', 'gccm', 'occm').
+        order: 'cm_sm' (CM then SM, default), 'sm_cm', 'cm' (channel mapping only), 'sm' (spatial only).
+        spatial: spatial op: 'dwconv' (default), 'maxpool', 'avgpool', 'attention', 'conv'.
+        kernel_size: K of the spatial op (3 by default, Table 9).
+        act_position: 'pre' (activation on a branch before the product, default) or 'post'.
+        act_branch: with 'pre', the activated branch: 'left' (the OCCM branch of AFBO, default),
+            'right' (GCCM) or 'both' (Table 6).
+        grid_size, num_prefix_tokens, channels_first, layout: where the 2-D grid is
+            (:class:`~vitblocks.layers.TokenLayout`); surgery sets and updates it.
+
+    In eval mode without autograd (``torch.inference_mode`` / ``no_grad``), the default
+    structure ('cm' or 'cm_sm' order with depthwise conv, no norm) runs :meth:`_forward_inference`:
+    same numbers, fewer memory passes.
+    """
+
+    # Inference path on one intra-op thread: slice the batch so each Md-wide intermediate holds about
+    # this many bytes (3 images of DeiT-T), which keeps a slice's intermediates in cache. With more
+    # threads the whole batch runs at once: every op of a slice is a parallel region, and on a shared
+    # CPU each one can wait a scheduler time slice for its second thread. 0: never slice.
+    # docs/afbo.md has the measurements.
+    inference_chunk_bytes: int = 2 * 2 ** 20
+
+    def __init__(
+            self,
+            in_features: int,
+            hidden_features: Optional[int] = None,
+            out_features: Optional[int] = None,
+            act_layer: Union[str, Type[nn.Module]] = 'silu',
+            norm_layer: Optional[Type[nn.Module]] = None,
+            bias: Union[bool, Tuple[bool, bool]] = True,
+            drop: Union[float, Tuple[float, float]] = 0.,
+            variant: str = 'afbo',
+            gccm_groups: int = 2,
+            occm_groups: int = 4,
+            block_groups: int = 2,
+            left_map: Optional[str] = None,
+            right_map: Optional[str] = None,
+            order: str = 'cm_sm',
+            spatial: Optional[str] = 'dwconv',
+            kernel_size: int = 3,
+            act_position: str = 'pre',
+            act_branch: str = 'left',
+            grid_size: Optional[Tuple[int, int]] = None,
+            num_prefix_tokens: int = 0,
+            channels_first: bool = False,
+            layout: Optional[TokenLayout] = None,
+            device=None,
+            dtype=None,
+    ):
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        if variant not in AFBO_VARIANTS:
+            raise ValueError(f'unknown AFBO variant {variant!r}; choose one of {", ".join(AFBO_VARIANTS)}')
+        if order not in ORDERS:
+            raise ValueError(f'unknown order {order!r}; choose one of {", ".join(ORDERS)} '
+                             "('cm' = channel mapping only, 'sm' = spatial modelling only)")
+        if order != 'cm' and spatial is None:
+            raise ValueError(f"order={order!r} needs a spatial op; use order='cm' for channel mapping only")
+        if act_position not in ('pre', 'post'):
+            raise ValueError(f"act_position must be 'pre' or 'post', got {act_position!r}")
+        if act_branch not in ('left', 'right', 'both'):
+            raise ValueError(f"act_branch must be 'left', 'right' or 'both', got {act_branch!r}")
+        out_features = out_features or in_features
+        hidden_features = hidden_features or 4 * in_features
+        self.in_features, self.hidden_features, self.out_features = in_features, hidden_features, out_features
+        self.layout = layout if layout is not None else TokenLayout(
+            tuple(grid_size) if grid_size is not None else None, num_prefix_tokens, channels_first)
+        self.variant, self.order, self.kernel_size = variant, order, kernel_size
+        self.spatial_kind = None if order == 'cm' else spatial
+        self.act_position, self.act_branch = act_position, act_branch
+        self.act_name = _act_name(act_layer)
+        self.act = _ACT_CLASSES[self.act_name]()
+        bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
+
+        kinds = (left_map or AFBO_VARIANTS[variant][0], right_map or AFBO_VARIANTS[variant][1])
+        self.map_kinds = kinds
+        group_of = {'occm': occm_groups, 'gccm': gccm_groups, 'grouped': block_groups, 'dense': 1}
+        if order == 'sm':  # AFBO-S: the FFN's dense fc1 is the one channel mapping, shared by both branches
+            self.fc1 = nn.Linear(in_features, hidden_features, bias=bias[0], **dd)
+            self.left_map = self.right_map = None
+        else:
+            self.fc1 = None
+            def make_map(kind):
+                return create_channel_map(kind, in_features, hidden_features, group_of[kind], bias[0], **dd)
+            self.left_map, self.right_map = make_map(kinds[0]), make_map(kinds[1])
+        if self.spatial_kind is None:
+            self.left_spatial = self.right_spatial = None
+        else:
+            sm_width = in_features if order == 'sm_cm' else hidden_features
+            self.left_spatial = create_spatial_op(self.spatial_kind, sm_width, kernel_size, **dd)
+            self.right_spatial = create_spatial_op(self.spatial_kind, sm_width, kernel_size, **dd)
+        self.norm = norm_layer(hidden_features, **dd) if norm_layer is not None else nn.Identity()
+        self.drop1 = nn.Dropout(drop_probs[0])
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias[1], **dd)
+        self.drop2 = nn.Dropout(drop_probs[1])
+        self.init_weights()
+
+    @property
+    def grid_size(self) -> Optional[Tuple[int, int]]:
+        return self.layout.grid_size
+
+    def init_weights(self):
+        for m in (self.fc1, self.fc2):
+            if m is not None:
+                nn.init.trunc_normal_(m.weight, std=.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        for m in (self.left_map, self.right_map):
+            if m is not None:
+                m.init_weights()
+        for m in (self.left_spatial, self.right_spatial):
+            if m is not None:
+                for sub in m.modules():
+                    if isinstance(sub, nn.Conv2d):
+                        sub.reset_parameters()
+
+    # -- reference path (training, autograd, every configuration) ----------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training or torch.is_grad_enabled()) and self._has_inference_path():
+            return self._forward_inference(x)
+        cf = self.layout.channels_first
+        if cf:
+            if x.ndim != 4:
+                raise ValueError(f'AFBO (channels_first) expects (B, C, H, W), got shape {tuple(x.shape)}')
+            x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C): channel maps act on the last dim
+        left, right = self._branches(x)
+        z = self._combine(left, right)
+        z = self.drop1(self.norm(z))
+        y = self.drop2(self.fc2(z))
+        return y.permute(0, 3, 1, 2) if cf else y  # (B, H, W, C) -> (B, C, H, W)
+
+    def _branches(self, x: torch.Tensor):
+        if self.order == 'cm':  # AFBO-C
+            return self.left_map(x), self.right_map(x)
+        if self.order == 'sm':  # AFBO-S: shared dense fc1, branches differ in their spatial op
+            h = self.fc1(x)
+            return self._spatial(self.left_spatial, h), self._spatial(self.right_spatial, h)
+        if self.order == 'cm_sm':  # AFBO-CS, Eq. 4
+            return (self._spatial(self.left_spatial, self.left_map(x)),
+                    self._spatial(self.right_spatial, self.right_map(x)))
+        return (self.left_map(self._spatial(self.left_spatial, x)),  # AFBO-SC
+                self.right_map(self._spatial(self.right_spatial, x)))
+
+    def _spatial(self, op: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """Apply a map-to-map op to channels-last features; prefix tokens bypass it."""
+        if h.ndim == 4:
+            return op(h.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H, W, C) -> (B, C, H, W) -> back
+        return apply_spatial(op, h, self.layout, type(self).__name__)
+
+    def _combine(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        if self.act_position == 'post':
+            return self.act(left * right)  # Eq. 4 as printed: sigma after the product
+        if self.act_branch in ('left', 'both'):
+            left = self.act(left)
+        if self.act_branch in ('right', 'both'):
+            right = self.act(right)
+        return left * right  # pre-act (Fig. 1b, Table 6): sigma before the product
+
+    # -- inference path ---------------------------------------------------------------------
+    def _has_inference_path(self) -> bool:
+        return (self.order in ('cm', 'cm_sm') and isinstance(self.norm, nn.Identity)
+                and (self.spatial_kind is None or self.spatial_kind == 'dwconv'))
+
+    def _combine_into(self, left: torch.Tensor, right: torch.Tensor, dest: torch.Tensor) -> None:
+        """:meth:`_combine` written into ``dest``; activates ``left``/``right`` in place (scratch buffers)."""
+        act_ = _ACT_INPLACE[self.act_name]
+        if self.act_position == 'post':
+            act_(torch.mul(left, right, out=dest))
+            return
+        if self.act_branch in ('left', 'both'):
+            left = act_(left)
+        if self.act_branch in ('right', 'both'):
+            right = act_(right)
+        torch.mul(left, right, out=dest)
+
+    def _forward_inference(self, x: torch.Tensor) -> torch.Tensor:
+        """Eval-mode, no-autograd forward: the numbers of :meth:`forward` with fewer passes and copies.
+
+        * Channels-last throughout: each channel map writes its ``(tokens, Md)`` output in place
+          with one batched matmul (no layout copy); the depthwise convs read the patch tokens
+          through a channels-last ``(b, Md, H, W)`` view, and the product is written back into
+          the left branch's buffer, which fc2 reads (prefix tokens skip the convs, no concat).
+        * On one thread the batch runs in slices of about ``inference_chunk_bytes`` per Md-wide
+          intermediate, with the slice buffers reused, so the four intermediates of a slice stay
+          in cache (about 10% faster end to end than the whole batch at once).
+        * Grouped weights (GCCM's pairs) are packed once per call, not once per slice.
+        """
+        cf = self.layout.channels_first
+        if cf:
+            if x.ndim != 4:
+                raise ValueError(f'AFBO (channels_first) expects (B, C, H, W), got shape {tuple(x.shape)}')
+            x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C) view
+        spatial = self.spatial_kind is not None
+        if x.ndim == 3:  # tokens (B, N, C)
+            B, N, C = x.shape
+            prefix = self.layout.num_prefix_tokens if spatial else 0
+            grid = check_grid(self.layout, N, type(self).__name__) if spatial else None
+        elif x.ndim == 4:  # channels-last map (B, H, W, C)
+            B, gh, gw, C = x.shape
+            N, prefix, grid = gh * gw, 0, (gh, gw)
+        else:
+            raise ValueError(f'AFBO expects tokens (B, N, C) or a map, got shape {tuple(x.shape)}')
+        rows = x.reshape(B, N, C)  # a view unless the input is channels-first
+        out = rows.new_empty(B, N, self.out_features)
+        hid = self.hidden_features
+        per_image = N * hid * rows.element_size()
+        budget = self.inference_chunk_bytes if torch.get_num_threads() == 1 else 0
+        step = B if not budget else min(B, max(1, budget // per_image))
+        w_left, w_right = self.left_map.bmm_weight(), self.right_map.bmm_weight()
+        buf_left, buf_right = rows.new_empty(step * N, hid), rows.new_empty(step * N, hid)
+        w2, b2 = self.fc2.weight, self.fc2.bias
+        for i in range(0, B, step):
+            b = min(step, B - i)
+            xr = rows[i:i + b].reshape(b * N, C)  # (b, N, C) -> (b*N, C)
+            left = self.left_map.forward_into(xr, buf_left[:b * N], w_left)  # (b*N, Md)
+            right = self.right_map.forward_into(xr, buf_right[:b * N], w_right)
+            if spatial:
+                left3, right3 = left.view(b, N, hid), right.view(b, N, hid)
+                patches = left3[:, prefix:].unflatten(1, grid)  # (b, H, W, Md) view into the left buffer
+                conv_l = self._dwconv(self.left_spatial, patches)
+                conv_r = self._dwconv(self.right_spatial, right3[:, prefix:].unflatten(1, grid))
+                self._combine_into(conv_l, conv_r, patches)
+                if prefix:  # prefix tokens: no spatial op
+                    self._combine_into(left3[:, :prefix], right3[:, :prefix], left3[:, :prefix])
+            else:
+                self._combine_into(left, right, left)
+            dest = out[i:i + b].view(b * N, self.out_features)
+            if b2 is None:
+                torch.mm(left, w2.t(), out=dest)
+            else:
+                torch.addmm(b2, left, w2.t(), out=dest)  # fc2, written in place
+        if x.ndim == 4:
+            out = out.view(B, grid[0], grid[1], self.out_features)
+            return out.permute(0, 3, 1, 2) if cf else out  # (B, H, W, C) -> (B, C, H, W) view
+        return out
+
+    @staticmethod
+    def _dwconv(conv: nn.Conv2d, fmap_cl: torch.Tensor) -> torch.Tensor:
+        """Depthwise conv of a channels-last ``(b, H, W, C)`` view; returns ``(b, H, W, C)`` (a view)."""
+        y = F.conv2d(fmap_cl.permute(0, 3, 1, 2), conv.weight, conv.bias, padding=conv.padding,
+                     groups=conv.groups)  # (b, C, H, W) channels-last in, channels-last out
+        return y.permute(0, 2, 3, 1)
+
+    def extra_repr(self) -> str:
+        maps = f'maps={self.map_kinds}' if self.order != 'sm' else 'maps=(shared dense fc1)'
+        return (f'{self.in_features} -> {self.hidden_features} -> {self.out_features}, variant={self.variant}, '
+                f'{maps}, order={self.order}, spatial={self.spatial_kind}, kernel_size={self.kernel_size}, '
+                f'act={self.act_name} ({self.act_position}, {self.act_branch}), layout={self.layout}')
+
+
+@register_ffn('scfbo_gc')
+def scfbo_gc(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
+             **kwargs) -> AFBO:
+    """SCFBO-GC (Sec. 3.3, Table 1): GCCM (G1 = ``gccm_groups``) in both branches."""
+    return AFBO(in_features, hidden_features, out_features, variant='scfbo_gc', **kwargs)
+
+
+@register_ffn('scfbo_oc')
+def scfbo_oc(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
+             **kwargs) -> AFBO:
+    """SCFBO-OC (Sec. 3.3, Table 1): OCCM (G2 = ``occm_groups``) in both branches."""
+    return AFBO(in_features, hidden_features, out_features, variant='scfbo_oc', **kwargs)
+
+
+@register_ffn('afbo_full')
+def afbo_full(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
+              **kwargs) -> AFBO:
+    """FULL channel mapping (App. A.5, Table 14): Eq. 4 with dense channel maps in both branches."""
+    return AFBO(in_features, hidden_features, out_features, variant='full', **kwargs)
+

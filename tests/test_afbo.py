@@ -1,0 +1,399 @@
+"""AFBO: channel maps against explicit structured-sparse matrices, every variant forward/backward,
+the fast inference path, surgery on every supported backbone, group-number errors, the paper tables."""
+import pytest
+import timm
+import torch
+from timm.models.gcvit import GlobalContextVit
+from timm.models.mlp_mixer import MlpMixer
+from torch import nn
+
+import vitblocks
+from vitblocks.layers import TokenLayout
+from vitblocks.layers.afbo import AFBO, AFBO_VARIANTS, SPATIAL_OPS
+from vitblocks.layers.channel_maps import (DenseChannelMap, GroupedChannelMap, GroupedCrossChannelMap,
+                                           OverlappedCycleChannelMap, map_cost)
+from vitblocks.layers.ffn_counterparts import ConvGLU, LocalViTFFN
+from vitblocks.papers import load_paper
+from vitblocks.profile import count_macs, count_params, fixed_threads
+
+D, HID = 24, 96  # small widths: every group number below divides them
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _one_thread():
+    """Small tensors gain nothing from threads; on a shared CPU each parallel region of a second
+    thread can wait a scheduler slice (a tiny GC ViT's backward: 7 s on 2 threads, 0.05 s on 1)."""
+    with fixed_threads(1):
+        yield
+
+
+def _randomize(module: nn.Module, std: float = 0.3):
+    """Default inits (zero biases, tiny weights) hide indexing bugs; use O(1) random values."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, std)
+    return module
+
+
+# --- channel maps = dense maps with the structured-sparse matrix of Eq. 5 / 6 / 7 ------------------
+
+def _block(rows: int, cols: int, out_groups: int, in_groups: int, blocks) -> torch.Tensor:
+    """Assemble a dense (rows, cols) matrix from {(out group, in group): block} with zeros elsewhere."""
+    r, c = rows // out_groups, cols // in_groups
+    dense = torch.zeros(rows, cols, dtype=torch.float64)
+    for (i, j), b in blocks.items():
+        dense[i * r:(i + 1) * r, j * c:(j + 1) * c] = b
+    return dense
+
+
+def grouped_matrix(m: GroupedChannelMap) -> torch.Tensor:
+    """Eq. 5: block diagonal, output group g reads input group g with W(g)."""
+    G = m.groups
+    return _block(m.out_features, m.in_features, G, G, {(g, g): m.weight[g].detach().t() for g in range(G)})
+
+
+def gccm_matrix(m: GroupedCrossChannelMap) -> torch.Tensor:
+    """Eq. 6 in the layer's output order: for input group j, [W(j) x_j, W(j+1) x_j] (2 output groups)."""
+    G = m.groups
+    W = m.weight.detach()  # (G, d/G, Md/2G) = W(i)^T
+    blocks = {}
+    for j in range(G):
+        blocks[(2 * j, j)] = W[j].t()  # paper output group j: W(j) reads input group j
+        blocks[(2 * j + 1, j)] = W[(j + 1) % G].t()  # paper output group G+j+1: W(j+1) reads input group j
+    return _block(m.out_features, m.in_features, 2 * G, G, blocks)
+
+
+def occm_matrix(m: OverlappedCycleChannelMap) -> torch.Tensor:
+    """Eq. 7 generalized: output group g reads input groups g, g+1, ..., g+G-2 (mod G)."""
+    G, gin = m.groups, m.in_features // m.groups
+    W = m.weight.detach()  # (G, (G-1)d/G, Md/G)
+    blocks = {(g, (g + k) % G): W[g, k * gin:(k + 1) * gin].t() for g in range(G) for k in range(G - 1)}
+    return _block(m.out_features, m.in_features, G, G, blocks)
+
+
+MAP_CASES = [(GroupedChannelMap, grouped_matrix, g) for g in (2, 3, 4)] + \
+            [(GroupedCrossChannelMap, gccm_matrix, g) for g in (2, 3, 4)] + \
+            [(OverlappedCycleChannelMap, occm_matrix, g) for g in (2, 3, 4, 6)]
+
+
+@pytest.mark.parametrize('cls,matrix,groups', MAP_CASES, ids=lambda v: getattr(v, '__name__', str(v)))
+@pytest.mark.parametrize('grad', [True, False], ids=['autograd', 'inference'])
+def test_map_equals_dense_structured_matrix(cls, matrix, groups, grad):
+    m = _randomize(cls(D, HID, groups).double())
+    x = torch.randn(2, 7, D, dtype=torch.float64)
+    dense = matrix(m)
+    with torch.set_grad_enabled(grad):
+        y = m(x)
+    torch.testing.assert_close(y, x @ dense.t() + m.bias.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.dense_weight().double(), dense)  # the layer's own helper agrees
+    kind = {GroupedChannelMap: 'grouped', GroupedCrossChannelMap: 'gccm', OverlappedCycleChannelMap: 'occm'}[cls]
+    assert m.weight.numel() == map_cost(kind, D, HID, groups)['params']
+    # the pattern's density is the MAC count per token: params for grouped/OCCM, 2x params for GCCM
+    assert int((dense != 0).sum()) == map_cost(kind, D, HID, groups)['macs']
+
+
+def test_gccm_shares_each_weight_between_two_output_groups():
+    m = _randomize(GroupedCrossChannelMap(D, HID, 3).double())
+    dense, n, gin = gccm_matrix(m), HID // 6, D // 3
+    for i in range(3):  # paper output groups i (reads x_i) and 3+i (reads x_{i-1}) share W(i)
+        direct = dense[2 * i * n:(2 * i + 1) * n, i * gin:(i + 1) * gin]
+        j = (i - 1) % 3
+        cross = dense[(2 * j + 1) * n:(2 * j + 2) * n, j * gin:(j + 1) * gin]
+        torch.testing.assert_close(direct, cross)
+
+
+def test_occm_skips_exactly_one_input_group():
+    m = _randomize(OverlappedCycleChannelMap(D, HID, 4).double())
+    blocks = occm_matrix(m).view(4, HID // 4, 4, D // 4).abs().sum((1, 3))  # (out group, in group)
+    assert ((blocks == 0) == torch.eye(4, dtype=torch.bool).roll(-1, dims=1)).all()  # group g never reads g-1
+
+
+def test_dense_map_is_a_linear_layer():
+    m = _randomize(DenseChannelMap(D, HID).double())
+    x = torch.randn(5, D, dtype=torch.float64)
+    torch.testing.assert_close(m(x), x @ m.weight.detach().t() + m.bias.detach())
+
+
+# --- group-number errors -------------------------------------------------------------------------
+
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(occm_groups=5), r'G2=5 does not divide 192 channels; use one of 2, 3, 4, 6, 8, 12, \.\.\.'),
+    (dict(gccm_groups=5), r'G1=5 does not divide 192 channels; use one of 2, 3, 4, 6, 8, 12, \.\.\.'),
+    (dict(occm_groups=1), r'G2=1 is too small'),
+    (dict(gccm_groups=1), r'G1=1 is too small'),
+    (dict(variant='grouped', block_groups=7), r'G=7 does not divide 192 channels'),
+])
+def test_bad_group_numbers_fail_early_and_say_what_works(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AFBO(192, 768, **kwargs)
+
+
+def test_gccm_needs_twice_the_groups_in_the_output():
+    with pytest.raises(ValueError, match=r'2\*G1=8 does not divide 36 output channels; use one of 2, 3, 6'):
+        AFBO(12, 36, gccm_groups=4, occm_groups=2)
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="unknown AFBO variant 'afob'"):
+        AFBO(24, variant='afob')
+    with pytest.raises(ValueError, match="order='cm_sm' needs a spatial op"):
+        AFBO(24, spatial=None)
+    with pytest.raises(ValueError, match='unknown spatial op'):
+        AFBO(24, spatial='median')
+    with pytest.raises(ValueError, match='unknown act_layer'):
+        AFBO(24, act_layer='tanh')
+
+
+# --- every variant: forward, backward, every parameter gets a gradient ---------------------------
+
+CONFIGS = (
+    [dict(variant=v) for v in AFBO_VARIANTS]
+    + [dict(order=o) for o in ('cm', 'sm', 'sm_cm')]
+    + [dict(spatial=s, kernel_size=k) for s in SPATIAL_OPS for k in (3, 5)]
+    + [dict(act_position='post', act_layer=a) for a in ('silu', 'relu')]
+    + [dict(act_branch=b, act_layer=a) for b in ('right', 'both') for a in ('gelu', 'relu', 'silu')]
+    + [dict(gccm_groups=3, occm_groups=6), dict(left_map='dense', right_map='occm', occm_groups=3)]
+)
+
+
+def _layer_input(layout_kind: str):
+    if layout_kind == 'tokens+prefix':
+        return TokenLayout((4, 5), 2), torch.randn(2, 2 + 20, D)
+    if layout_kind == 'channels_first':
+        return TokenLayout(None, 0, True), torch.randn(2, D, 4, 5)
+    return TokenLayout(None, 0, False), torch.randn(2, 4, 5, D)  # channels-last map (GC ViT)
+
+
+@pytest.mark.parametrize('cfg', CONFIGS, ids=lambda c: ','.join(f'{k}={v}' for k, v in c.items()))
+def test_every_variant_forward_backward(cfg):
+    for layout_kind in ('tokens+prefix', 'channels_first', 'channels_last'):
+        layout, x = _layer_input(layout_kind)
+        layer = AFBO(D, HID, layout=layout, **cfg)
+        y = layer(x)
+        assert y.shape == x.shape
+        y.square().sum().backward()
+        for name, p in layer.named_parameters():
+            assert p.grad is not None, f'{cfg} ({layout_kind}): {name} got no gradient'
+            assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, f'{cfg}: {name} has a zero/bad gradient'
+
+
+@pytest.mark.parametrize('cfg', [dict(variant=v) for v in AFBO_VARIANTS]
+                         + [dict(order='cm'), dict(act_position='post', act_layer='gelu'),
+                            dict(act_branch='both', act_layer='relu'), dict(act_branch='right', kernel_size=5)],
+                         ids=lambda c: ','.join(f'{k}={v}' for k, v in c.items()))
+@pytest.mark.parametrize('layout_kind', ['tokens+prefix', 'channels_first', 'channels_last'])
+def test_inference_path_matches_reference(cfg, layout_kind):
+    layout, x = _layer_input(layout_kind)  # float32: CPU depthwise convs have no fast float64 kernel
+    layer = _randomize(AFBO(D, HID, layout=layout, **cfg)).eval()
+    reference = layer(x)  # autograd on: the readable path
+    with torch.inference_mode():
+        whole = layer(x)  # the default slice budget holds the whole (tiny) batch
+        layer.inference_chunk_bytes = 1  # one image per slice
+        sliced = layer(x)
+        with fixed_threads(2):  # several threads: never sliced
+            threaded = layer(x)
+    torch.testing.assert_close(whole, reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sliced, reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(threaded, reference, rtol=1e-5, atol=1e-4)
+
+
+def test_channels_first_equals_tokens():
+    """The same layer on a PoolFormer-style (B, C, H, W) map and on the equivalent tokens."""
+    tokens_layer = _randomize(AFBO(D, HID, grid_size=(4, 5)))
+    cf_layer = AFBO(D, HID, channels_first=True)
+    cf_layer.load_state_dict(tokens_layer.state_dict())
+    x = torch.randn(2, D, 4, 5)
+    y_cf = cf_layer(x)
+    y_tok = tokens_layer(x.flatten(2).transpose(1, 2))  # (B, C, H, W) -> (B, H*W, C)
+    torch.testing.assert_close(y_cf, y_tok.transpose(1, 2).view_as(x), rtol=1e-5, atol=1e-4)
+
+
+# --- prefix tokens skip the spatial op ------------------------------------------------------------
+
+def test_prefix_tokens_bypass_the_spatial_op():
+    layer = _randomize(AFBO(D, HID, grid_size=(4, 5), num_prefix_tokens=2))
+    x = torch.randn(1, 22, D)
+    y = layer(x)
+    # prefix outputs are the channel-mapping-only result: no depthwise conv touched them
+    l, r = layer.left_map(x[:, :2]), layer.right_map(x[:, :2])
+    torch.testing.assert_close(y[:, :2], layer.fc2(layer.act(l) * r), rtol=1e-5, atol=1e-4)
+    # a prefix token never reaches a patch token, and a patch token only reaches its 3x3 neighbours
+    x2 = x.clone()
+    x2[:, 0] += 1
+    y2 = layer(x2)
+    assert torch.equal(y2[:, 2:], y[:, 2:]) and not torch.equal(y2[:, :1], y[:, :1])
+    x3 = x.clone()
+    x3[:, 2 + 0] += 1  # patch (0, 0)
+    changed = (layer(x3) - y).abs().sum(-1)[0] > 0
+    grid = changed[2:].view(4, 5)
+    assert not changed[:2].any() and grid[:2, :2].all() and grid.sum() == 4
+
+
+# --- surgery: every supported backbone, incl. PVTv2 and GC ViT ---------------------------------------
+
+def _tiny_poolformer(**kwargs):
+    """poolformer_s12's recipe at 1 block per stage and quarter width (timm's entry point fixes the widths)."""
+    from timm.layers import GroupNorm1
+    from timm.models.metaformer import MetaFormer
+    return MetaFormer(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128), downsample_norm=None, mlp_act=nn.GELU,
+                      mlp_bias=True, norm_layers=GroupNorm1, layer_scale_init_values=1e-5,
+                      res_scale_init_values=None, use_mlp_head=False, **kwargs)
+
+
+def _tiny_gcvit():
+    """gcvit_xxtiny at 2 blocks per stage (the 2nd uses the global query), half width, 128 px."""
+    return GlobalContextVit(num_classes=3, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), embed_dim=32, img_size=128)
+
+
+# (name, builder, slots, input H x W): each timm family at a reduced depth/width, so a CPU test is quick
+BACKBONES = [
+    ('deit', lambda: timm.create_model('deit_tiny_patch16_224', num_classes=3, img_size=64, depth=2), 2, (64, 64)),
+    ('vit_reg4', lambda: timm.create_model('vit_small_patch14_reg4_dinov2', num_classes=3, img_size=56, depth=2),
+     2, (56, 56)),
+    ('swin', lambda: timm.create_model('swin_tiny_patch4_window7_224', num_classes=3, img_size=64, window_size=2,
+                                       embed_dim=24, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1)), 4, (64, 64)),
+    ('poolformer', lambda: _tiny_poolformer(num_classes=3), 4, (64, 96)),
+    ('mixer', lambda: MlpMixer(num_classes=3, img_size=64, patch_size=16, num_blocks=2, embed_dim=64), 2, (64, 64)),
+    ('pvt_v2', lambda: timm.create_model('pvt_v2_b0', num_classes=3, depths=(1, 1, 1, 1)), 4, (64, 96)),
+    ('gcvit', lambda: _tiny_gcvit(), 8, (128, 128)),
+]
+
+
+@pytest.mark.parametrize('name,build,slots,hw', BACKBONES, ids=[b[0] for b in BACKBONES])
+def test_swap_afbo_into_every_supported_backbone(name, build, slots, hw):
+    model = build()
+    assert vitblocks.swap_ffn(model, 'afbo', occm_groups=4) == slots
+    assert sum(isinstance(m, AFBO) for m in model.modules()) == slots
+    out = model(torch.randn(1, 3, *hw))
+    assert out.shape == (1, 3)
+    out.sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing[:5]
+    model.eval()
+    with torch.inference_mode():  # the fast inference path in the real backbone
+        fast = model(torch.randn(2, 3, *hw))
+    assert fast.shape == (2, 3) and torch.isfinite(fast).all()
+
+
+def test_pvt_v2_grid_follows_every_forward():
+    model = timm.create_model('pvt_v2_b0', num_classes=3, depths=(1, 1, 1, 1)).eval()
+    vitblocks.swap_ffn(model, 'afbo')
+    with torch.inference_mode():
+        model(torch.randn(1, 3, 64, 96))
+    assert [s.blocks[0].mlp.grid_size for s in model.stages] == [(16, 24), (8, 12), (4, 6), (2, 3)]
+    model(torch.randn(1, 3, 96, 32))
+    assert model.stages[0].blocks[0].mlp.grid_size == (24, 8)
+
+
+def test_gcvit_feeds_channels_last_maps():
+    model = _tiny_gcvit()
+    vitblocks.swap_ffn(model, 'afbo')
+    seen = []
+    model.stages[1].blocks[0].mlp.register_forward_hook(lambda m, a, o: seen.append(a[0].shape))
+    model(torch.randn(1, 3, 128, 128))
+    assert seen == [torch.Size([1, 16, 16, 64])]  # (B, H, W, C): the map carries its own grid
+
+
+@pytest.mark.parametrize('ffn', ['glu', 'swiglu', 'group_ffn', 'conv_glu', 'localvit', 'scfbo_gc', 'scfbo_oc',
+                                 'afbo_full'])
+@pytest.mark.parametrize('name,build,hw', [(b[0], b[1], b[3]) for b in BACKBONES if b[0] in ('deit', 'poolformer',
+                                                                                         'pvt_v2', 'gcvit')])
+def test_counterparts_swap_and_train(ffn, name, build, hw):
+    model = build()
+    vitblocks.swap_ffn(model, ffn, **({'groups': 4} if ffn == 'group_ffn' else {}))
+    model(torch.randn(2, 3, *hw)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_counterpart_structures():
+    glu = vitblocks.create_ffn('glu', 192, 768)
+    assert glu.fc1.out_features == 2 * 512 and count_params(glu) == pytest.approx(2 * 192 * 768, rel=0.01)
+    assert vitblocks.create_ffn('swiglu', 192, 768, expansion=4).fc2.in_features == 768
+    conv_glu = ConvGLU(192, 768, grid_size=(2, 2))
+    assert conv_glu.fc1.out_features == 1024 and conv_glu.dwconv.groups == 512  # TransNeXt: 2/3 of the width
+    assert isinstance(LocalViTFFN(8, 32, grid_size=(2, 2)).spatial.conv, nn.Conv2d)
+
+
+# --- parameters and MACs ------------------------------------------------------------------------------
+
+def test_layer_parameter_count_follows_table1_formula():
+    d, M = 192, 4
+    layer = AFBO(d, M * d)  # G1 = 2, G2 = 4
+    md2 = M * d * d
+    expected = (md2 * 3 // 4 + md2 // 4 + md2  # OCCM M(G2-1)d^2/G2 + GCCM Md^2/(2G1) + fc2
+                + 2 * M * d + d  # biases of both maps and of fc2
+                + 2 * M * d * (9 + 1))  # two 3x3 depthwise convs with bias
+    assert count_params(layer) == expected
+
+
+def _deit_tiny_afbo(**cfg):
+    with torch.device('meta'):
+        return timm.create_model('afbo_deit_tiny_patch16_224', block_cfg=cfg)
+
+
+@pytest.mark.parametrize('cfg,published', [
+    (dict(order='cm'), 5.7), (dict(order='sm'), 6.0), (dict(), 6.0), (dict(order='sm_cm'), 5.8),  # Table 5
+    (dict(spatial='maxpool'), 5.7), (dict(spatial='avgpool'), 5.7), (dict(spatial='attention', kernel_size=7), 5.8),
+    (dict(kernel_size=5), 6.2), (dict(kernel_size=7), 6.5),  # Tables 8 and 9
+    (dict(order='sm_cm', spatial='conv'), 13.3),  # Table 10's full 3x3 conv fits an SM on the d input channels
+], ids=lambda v: str(v))
+def test_ablation_parameter_counts_match_tables_5_8_9_10(cfg, published):
+    assert count_params(_deit_tiny_afbo(**cfg)) / 1e6 == pytest.approx(published, rel=0.05)
+
+
+def test_table7_trend_params_and_macs_rise_with_g2_and_fall_with_g1():
+    counts = {}
+    for g1, g2 in [(2, 2), (2, 3), (2, 4), (2, 6), (4, 4)]:
+        model = _deit_tiny_afbo(gccm_groups=g1, occm_groups=g2)
+        counts[g1, g2] = (count_params(model), count_macs(model).total)
+    for key in (0, 1):  # params, MACs
+        assert counts[2, 2][key] < counts[2, 3][key] < counts[2, 4][key] < counts[2, 6][key]
+        assert counts[4, 4][key] < counts[2, 4][key]
+
+
+def test_deit_tiny_afbo_numbers():
+    model = _deit_tiny_afbo()
+    with torch.device('meta'):
+        base = timm.create_model('deit_tiny_patch16_224')
+    afbo_block = count_params(AFBO(192, 768, device='meta'))
+    assert count_params(model) - count_params(base) == 12 * (afbo_block - 295_872)  # 295,872: timm's Mlp
+    assert count_params(model) == 5_910_952  # Table 2: 6.0 M
+    # OCCM 3/4 + GCCM 1/2 + fc2 1 of Md^2 per token, plus 2 depthwise convs on the 196 patch tokens
+    ffn_macs = 12 * (197 * 147456 * 9 // 4 + 196 * 2 * 768 * 9)
+    assert count_macs(model).total - count_macs(base).total == ffn_macs - 12 * 197 * 2 * 147456
+
+
+# --- the paper tables ---------------------------------------------------------------------------------
+
+AFBO_PAPER = load_paper('afbo')
+
+
+def test_afbo_tables_are_shipped():
+    assert [t.number for t in AFBO_PAPER.tables] == ['1', '2', '3', '7', '13', '14']
+    unbuilt = {r.note for t in AFBO_PAPER.tables for r in t.rows if not r.buildable}
+    assert {'LVT is not in timm', 'CycleMLP is not in timm', 'HireMLP is not in timm',
+            'VisionLLaMA is not in timm'} <= unbuilt
+
+
+def _complexity_rows():
+    return [pytest.param(t, r, id=f'T{t.number}-{r.group}-{r.label}') for t in AFBO_PAPER.tables for r in t.rows
+            if r.buildable and not r.accuracy_only]
+
+
+@pytest.mark.parametrize('table,row', _complexity_rows())
+def test_paper_rows_within_5pct_or_explained(table, row):
+    """Params always within 5%; GMACs within 5% unless the row's note explains the gap ("GMACs: ...")."""
+    from vitblocks.cli.common import build_model
+    with torch.device('meta'):  # exact counts without memory or init
+        model = build_model(row.model, row.block_cfg, row.base_kwargs, row.ffn)
+    assert count_params(model) / 1e6 == pytest.approx(row.params_m, rel=0.05)
+    if row.gmacs is not None:
+        gmacs = count_macs(model, input_size=table.input_size, include_norms=table.macs.include_norms).gmacs
+        assert gmacs == pytest.approx(row.gmacs, rel=0.05) or 'GMACs:' in row.note, (gmacs, row.gmacs)
+
+
+def test_registered_models_cover_table2():
+    built = {r.model for r in AFBO_PAPER.table('2').rows if r.buildable and r.model.startswith('afbo_')}
+    assert built == set(vitblocks.list_models(method='afbo'))
+    assert len(built) == 14
+
