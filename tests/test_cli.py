@@ -174,7 +174,7 @@ def test_compare_lists_unbuildable_rows_without_counting_them(capsys):
 
 
 def test_compare_csv(capsys):
-    code, out, err = run(capsys, 'compare', '--tables', '2', '--format', 'csv')
+    code, out, err = run(capsys, 'compare', '--paper', 'iffn', '--tables', '2', '--format', 'csv')
     assert code == 0
     rows = list(csv.DictReader(io.StringIO(out)))
     table = load_paper('iffn').table('2')
@@ -183,6 +183,18 @@ def test_compare_csv(capsys):
         assert float(r['gmacs_paper']) == paper.gmacs
         assert abs(float(r['gmacs_delta_pct'])) <= 1.0
     assert SUMMARY.match(err.strip().splitlines()[-1])
+
+
+def test_compare_repa_counts_before_and_after_reparam(capsys):
+    """RePa rows: a rep. column, each row's own convention, and one-decimal rows marked "rounding"."""
+    code, out, _ = run(capsys, 'compare', '--paper', 'repa', '--tables', '1', '--models', 'deit_tiny')
+    assert code == 0
+    lines = out.rstrip('\n').splitlines()
+    assert SUMMARY.match(lines[-1]) and lines[-1].startswith('0 of 2 ')  # 1.089 for 1.1, 0.642 for 0.6
+    assert '2 of the others are off by more than 1% but round to the published numbers' in lines[-2]
+    assert 'rep.' in out and 'no-attn+norms*5' in out
+    after = next(l for l in lines if l.strip().startswith('RePa-DeiT-Tiny (rep.)'))
+    assert ' yes ' in after and '3.494' in after and '0.642' in after and after.split()[-2] == 'rounding'
 
 
 # --- bench -----------------------------------------------------------------------------------------

@@ -8,13 +8,13 @@ import sys
 import textwrap
 from typing import List, Optional
 
-from . import analyze, bench, compare, list_models, plot, profile_model, reproduce, train
+from . import analyze, bench, compare, export, list_models, plot, profile_model, reproduce, train
 from . import eval as eval_cmd  # module is eval.py; keeps the builtin unshadowed
 from .common import ArgumentParser, CliError
 
 __all__ = ['main', 'build_parser']
 
-COMMANDS = (compare, profile_model, bench, list_models, train, eval_cmd, plot, reproduce, analyze)
+COMMANDS = (compare, profile_model, bench, list_models, train, eval_cmd, plot, reproduce, analyze, export)
 
 EPILOG = """\
 examples:

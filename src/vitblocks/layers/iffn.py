@@ -11,15 +11,21 @@ with ``C' = hidden_features`` (4C in ViTs), ``N = num_functions`` (2 in the pape
 ablates 4) and ``A_i`` arbitrary activations (Eq. 3; AGeLU for GELU). Ablation switches
 follow Table 2: without the channel part, fc1 maps C -> C' followed by the plain base
 activation; without the spatial part, the depthwise block is dropped.
+
+Deploy form (``IFFN.fuse()`` or ``IFFN(..., deploy=True)``): the BatchNorm is folded into the
+depthwise conv, and inference (eval, no autograd) takes a path with the same numbers but
+fewer memory passes and allocations; docs/iffn_speed.md has the measurements behind it.
 """
-from typing import Optional, Tuple, Type, Union
+import copy
+from typing import Callable, Optional, Tuple, Type, Union
 
 import torch
+import torch.nn.functional as F
 from timm.layers import LayerNorm, LayerNorm2d, to_2tuple
 from torch import nn
 
 from .activations import BASE_ACTIVATIONS, ConcatArbitraryActivations, get_base_activation
-from .layout import TokenLayout, apply_spatial
+from .layout import TokenLayout, apply_spatial, check_grid, split_tokens
 from .registry import register_ffn
 
 __all__ = ['IFFN', 'DepthwiseBlock', 'SumOfNonlinearities']
@@ -36,6 +42,41 @@ def _fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     fused.weight.data.copy_(w * scale.view(-1, 1, 1, 1))
     fused.bias.data.copy_((b - bn.running_mean.double()) * scale + bn.bias.double())
     return fused
+
+
+# In-place versions of the base activations, for the inference path (softplus has none).
+_INPLACE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    'gelu': torch.ops.aten.gelu_,
+    'relu': torch.relu_,
+    'silu': lambda t: F.silu(t, inplace=True),
+    'swish': lambda t: F.silu(t, inplace=True),
+    'elu': lambda t: F.elu(t, inplace=True),
+}
+
+
+def _activate_(name: str, x: torch.Tensor) -> torch.Tensor:
+    """``phi(x)``, computed in place in ``x`` where torch has an in-place kernel."""
+    inplace = _INPLACE_ACTIVATIONS.get(name)
+    return inplace(x) if inplace is not None else BASE_ACTIVATIONS[name](x)
+
+
+def _linear_weight(layer: nn.Module) -> torch.Tensor:
+    """(out, in) weight of a Linear or 1x1 Conv2d (viewed, not copied)."""
+    return layer.weight.flatten(1)  # (out, in, 1, 1) -> (out, in) for Conv2d
+
+
+def _norm_channels_last(norm: nn.Module, x: torch.Tensor, channels_first: bool) -> torch.Tensor:
+    """Apply a norm built for the layer's layout to a channels-last ``(..., C)`` tensor.
+
+    timm's LayerNorm2d is an ``nn.LayerNorm`` with the same parameters and math as LayerNorm, so
+    every ``nn.LayerNorm`` runs as one ``F.layer_norm`` over the last dim; other norms are called
+    in the layout they were built for.
+    """
+    if isinstance(norm, nn.LayerNorm):
+        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    if channels_first:
+        return norm(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H, W, C) -> (B, C, H, W) -> back
+    return norm(x)
 
 
 class DepthwiseBlock(nn.Module):
@@ -56,7 +97,8 @@ class DepthwiseBlock(nn.Module):
         self.conv = nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, groups=channels,
                               bias=True, **dd)
         self.bn = nn.Identity() if deploy else nn.BatchNorm2d(channels, **dd)
-        self._act = BASE_ACTIVATIONS[get_base_activation(act)]
+        self.act_name = get_base_activation(act)
+        self._act = BASE_ACTIVATIONS[self.act_name]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self._act(self.bn(self.conv(x)))
@@ -67,10 +109,10 @@ class DepthwiseBlock(nn.Module):
         if isinstance(self.bn, nn.Identity):
             return self
         w = self.conv.weight
-        fused = DepthwiseBlock(self.conv.in_channels, self.kernel_size, deploy=True, device=w.device, dtype=w.dtype)
-        fused._act = self._act
+        fused = DepthwiseBlock(self.conv.in_channels, self.kernel_size, self.act_name, deploy=True,
+                               device=w.device, dtype=w.dtype)
         fused.conv = _fuse_conv_bn(self.conv, self.bn)
-        return fused
+        return fused.train(self.training)
 
 
 @register_ffn('iffn')
@@ -97,7 +139,17 @@ class IFFN(nn.Module):
             the spatial part.
         channels_first: input is ``(B, C, H, W)`` (timm's ``use_conv=True``, PoolFormer).
         layout: a shared :class:`TokenLayout` (overrides the three arguments above).
+        deploy: build the inference form directly (no BatchNorm; the depthwise conv carries
+            the folded BN), so checkpoints saved after :meth:`fuse` load into it.
+
+    In the deploy form, inference (eval mode, autograd off, e.g. ``torch.inference_mode``)
+    takes :meth:`_forward_inference`; training or autograd use the readable path below.
     """
+
+    # Inference path: process the batch in slices of about this many bytes of C'-wide hidden
+    # features; 0 = whole batch; None = 8 MiB when torch runs single-threaded, else whole batch.
+    # See _forward_inference; set per instance or on the class.
+    inference_chunk_bytes: Optional[int] = None
 
     def __init__(
             self,
@@ -116,11 +168,13 @@ class IFFN(nn.Module):
             num_prefix_tokens: int = 0,
             channels_first: bool = False,
             layout: Optional[TokenLayout] = None,
+            deploy: bool = False,
             device=None,
             dtype=None,
     ):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
+        self.deploy = deploy
         out_features = out_features or in_features
         hidden_features = hidden_features or 4 * in_features
         self.layout = layout if layout is not None else TokenLayout(
@@ -146,7 +200,7 @@ class IFFN(nn.Module):
             self.act = _Activation(base)
             self.norm = nn.Identity()
         self.drop1 = nn.Dropout(drop_probs[0])
-        self.spatial = DepthwiseBlock(hidden_features, kernel_size, **dd) if spatial_part else None
+        self.spatial = DepthwiseBlock(hidden_features, kernel_size, deploy=deploy, **dd) if spatial_part else None
         self.fc2 = linear(hidden_features, out_features, bias[1])
         self.norm_out = norm_layer(out_features, **dd)
         self.drop2 = nn.Dropout(drop_probs[1])
@@ -170,6 +224,8 @@ class IFFN(nn.Module):
         return apply_spatial(self.spatial, x, self.layout, type(self).__name__)  # prefix tokens bypass it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deploy and not (self.training or torch.is_grad_enabled()):
+            return self._forward_inference(x)
         x = self.fc1(x)
         x = self.act(x)
         x = self.drop1(x)
@@ -181,15 +237,103 @@ class IFFN(nn.Module):
 
     @torch.no_grad()
     def fuse(self) -> 'IFFN':
-        """Switch to the inference form in place (BatchNorm folded into the depthwise conv) and
-        return self. Exact in eval mode; idempotent. Model level: ``vitblocks.reparameterize``."""
-        if self.spatial is not None:
-            self.spatial = self.spatial.fuse()
-        return self
+        """Return the deploy form: a new IFFN (same train/eval mode) whose depthwise conv carries
+        the folded BatchNorm, sharing this layer's :class:`TokenLayout` object (so grid tracking
+        keeps working). Same outputs as this layer in eval mode; ``self`` is left unchanged;
+        a deploy-form layer returns itself. Model level: ``vitblocks.deploy.reparameterize``.
+
+        Only the BatchNorm is folded. AGeLU's inner scale and shift could go into fc1 only by
+        widening it to C' outputs (both copies read the same fc1 output), doubling fc1's MACs
+        for one saved element-wise pass; its outer scale and shift, and LayerNorm's affine (which
+        feeds both the conv and its residual, with zero padding at the borders), cannot pass
+        exactly into the following layer (docs/iffn_speed.md).
+        """
+        if self.deploy:
+            return self
+        fused = copy.deepcopy(self, {id(self.layout): self.layout})  # shares the layout object
+        if fused.spatial is not None:
+            fused.spatial = fused.spatial.fuse()
+        fused.deploy = True
+        return fused.train(self.training)
+
+    def _forward_inference(self, x: torch.Tensor) -> torch.Tensor:
+        """Deploy-form inference: the numbers of :meth:`forward` with fewer passes and copies.
+
+        * Everything runs channels-last ``(..., C)``: tokens as they come, channels-first input
+          viewed as ``(B, H, W, C)``; the depthwise conv reads the hidden tokens through a
+          channels-last ``(B, C', H, W)`` view and returns channels-last, so nothing is transposed.
+        * The N activations are written by broadcasting into one ``(..., N, C'/N)`` buffer and
+          finished in place (no concat copy); the spatial residual is added in place into the
+          patch tokens (prefix tokens stay where they are, no concat).
+        * Single-threaded, the batch runs in slices of about 8 MiB of hidden features
+          (``inference_chunk_bytes``), so the C'-wide intermediates stay in cache and the allocator
+          recycles them: fresh tensors of tens of MB are mapped and zero-filled page by page on
+          every allocation, which costs more than the element-wise arithmetic itself. With several
+          intra-op threads every op is a fork/join, and slicing multiplies the ops; on a shared,
+          oversubscribed CPU that cost more than it saved, so slicing is off there by default.
+        """
+        cf = self.layout.channels_first
+        if cf:
+            if x.ndim != 4:
+                raise ValueError(f'IFFN (channels_first) expects (B, C, H, W), got shape {tuple(x.shape)}')
+            x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C), a view
+        elif x.ndim == 3:
+            check_grid(self.layout, x.shape[1], type(self).__name__)  # fail early, before any compute
+        elif x.ndim != 4:
+            raise ValueError(f'IFFN expects tokens (B, N, C) or a map, got shape {tuple(x.shape)}')
+
+        w2, b2 = _linear_weight(self.fc2), self.fc2.bias
+        step = self._slice_size(x)
+        if step is None:  # the whole batch at once
+            out = F.linear(self._hidden_inference(x), w2, b2)
+        else:
+            out = x.new_empty(x.shape[:-1] + (w2.shape[0],))
+            for i in range(0, x.shape[0], step):
+                hidden = self._hidden_inference(x[i:i + step]).flatten(0, -2)  # (b, ..., C') -> (b*L, C')
+                out_slice = out[i:i + step].view(-1, w2.shape[0])  # contiguous rows of the output
+                if b2 is None:
+                    torch.mm(hidden, w2.t(), out=out_slice)
+                else:
+                    torch.addmm(b2, hidden, w2.t(), out=out_slice)  # fc2, written in place
+        out = _norm_channels_last(self.norm_out, out, cf)
+        return out.permute(0, 3, 1, 2) if cf else out  # (B, H, W, C) -> (B, C, H, W) view
+
+    def _slice_size(self, x: torch.Tensor) -> Optional[int]:
+        """Samples per batch slice of the inference path, None for one slice (``inference_chunk_bytes``)."""
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return None  # compilers plan memory themselves; exports keep the batch size free
+        chunk_bytes = self.inference_chunk_bytes
+        if chunk_bytes is None:
+            chunk_bytes = 8 * 2 ** 20 if torch.get_num_threads() == 1 else 0
+        per_sample = x[0].numel() // x.shape[-1] * self.hidden_features * x.element_size()  # hidden bytes
+        step = max(1, chunk_bytes // per_sample)
+        return step if chunk_bytes and step < x.shape[0] else None
+
+    def _hidden_inference(self, x: torch.Tensor) -> torch.Tensor:
+        """fc1, activations, norm and spatial part of a channels-last slice ``(b, ..., C) -> (b, ..., C')``."""
+        h = F.linear(x, _linear_weight(self.fc1), self.fc1.bias)  # (..., C) -> (..., C'/N)
+        cf = self.layout.channels_first
+        if self.channel_part:
+            a = self.act
+            u = torch.addcmul(a.gamma, a.alpha, h.unsqueeze(-2))  # (..., 1, C'/N) -> (..., N, C'/N), Eq. 3 inside
+            u = _activate_(a.base, u)
+            torch.addcmul(a.theta, a.beta, u, out=u)  # Eq. 3 outside, in place
+            y = _norm_channels_last(self.norm, u.flatten(-2), cf)  # (..., N, C'/N) -> (..., C'): Eq. 5 concat
+        else:
+            y = _activate_(self.act.name, h)
+        if self.spatial is None:
+            return y
+        if y.ndim == 3:  # tokens: patch tokens as a (b, C', H, W) channels-last view, prefix left out
+            _, fmap = split_tokens(y, self.layout, type(self).__name__)
+        else:
+            fmap = y.permute(0, 3, 1, 2)  # (b, H, W, C') -> (b, C', H, W) view
+        z = _activate_(self.spatial.act_name, self.spatial.conv(fmap))  # BN folded into the conv
+        fmap.add_(z)  # residual, in place in y
+        return y
 
     def extra_repr(self) -> str:
         return (f'hidden_features={self.hidden_features}, channel_part={self.channel_part}, '
-                f'spatial_part={self.spatial_part}, layout={self.layout}')
+                f'spatial_part={self.spatial_part}, layout={self.layout}{", deploy=True" if self.deploy else ""}')
 
 
 class _Activation(nn.Module):
@@ -216,11 +360,12 @@ class SumOfNonlinearities(nn.Module):
     ``K = C' / C`` per channel, ``y_c = sum_k beta_ck * phi(alpha_ck * x_c + gamma_ck) + theta_ck``.
     With ``arbitrary=False`` (Table 5's "phi = GeLU") there are no inner scales or shifts and
     only the combination weights ``beta`` are learned: ``y_c = sum_k beta_ck * phi(x_c)``.
-    It mixes no channels, so ``out_features`` must equal ``in_features``.
+    It mixes no channels, so ``out_features`` must equal ``in_features``; having no linear
+    layers, it accepts ``bias`` (timm ``Mlp`` vocabulary, used by ``swap_ffn``) and ignores it.
     """
 
     def __init__(self, in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
-                 act_layer: Union[str, Type[nn.Module]] = 'gelu', arbitrary: bool = True,
+                 act_layer: Union[str, Type[nn.Module]] = 'gelu', arbitrary: bool = True, bias: bool = True,
                  channels_first: bool = False, layout: Optional[TokenLayout] = None, device=None, dtype=None):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}

@@ -5,13 +5,25 @@ The papers' "FLOPs" are multiply-accumulates (MACs). We count with torch's own
 convolutions) and halve. Out of the box it misses the attention matmuls of fused
 ``scaled_dot_product_attention`` on CPU (``aten._scaled_dot_product_flash_attention_for_cpu``
 has no formula), which makes timm's DeiT-Ti read 1.08 GMACs instead of 1.26; we register the
-same formula torch uses for the CUDA kernels. Element-wise ops (activations, softmax, residual adds) are never counted.
+same formula torch uses for the CUDA kernels, and torch's ``addmm`` formula for the in-place ``addmm_``
+(which it does not count either). Element-wise ops (activations, softmax, residual adds) are never counted.
 
-Normalization layers are the one convention that differs between papers' counters. With
-``include_norms=True`` each LayerNorm/GroupNorm/BatchNorm output element costs 1 MAC, or 2
-with an affine scale and shift (the ptflops convention). IFFN's Table 1 was evidently counted
-that way: with it all 22 Table 1 numbers of timm-backed rows land within 0.4% (without it
-IFFN rows read 0.3-1.8% low, since IFFN adds norms on the 4x-wide hidden features).
+Two conventions differ between papers' counters, so both can be declared:
+
+* Normalization layers. With ``include_norms=True`` each LayerNorm/GroupNorm/BatchNorm output
+  element costs 1 MAC, or 2 with an affine scale and shift (the ptflops convention). IFFN's
+  Table 1 was evidently counted that way: with it all 22 Table 1 numbers of timm-backed rows
+  land within 0.4% (without it IFFN rows read 0.3-1.8% low, since IFFN adds norms on the
+  4x-wide hidden features). ``norm_macs_per_element=5`` charges a flat 5 per element instead,
+  fvcore's rule for LayerNorm/GroupNorm (and BatchNorm in training mode), which is how RePa's
+  Table 1 was counted.
+* Attention matmuls. ``include_attention=False`` leaves out the two attention matmuls
+  (``q k^T`` and ``attn v``), as counters that cannot see fused attention do (RePa's Table 1).
+  They are recognized by op: the fused ``scaled_dot_product_attention`` kernels, and the batched
+  matmuls (``bmm``, ``baddbmm``) that timm's unfused attention runs (Swin) and that SDPA
+  decomposes into on the meta device. A model whose *other* layers use batched matmuls would
+  lose those too; the timm backbones the papers use (ViT, DeiT, Swin, PoolFormer, MLP-Mixer)
+  have none. ``MacReport.by_op`` shows what was counted.
 """
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
@@ -20,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
-__all__ = ['count_params', 'count_macs', 'MacReport', 'input_size_of']
+__all__ = ['count_params', 'count_macs', 'MacReport', 'input_size_of', 'ATTENTION_OPS']
 
 _aten = torch.ops.aten
 
@@ -33,10 +45,33 @@ def _cpu_sdpa_backward_flops(grad_out, query, key, value, *args, out_shape=None,
     return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+def _addmm_inplace_flops(self, mat1, mat2, *args, out_shape=None, **kwargs) -> int:
+    (m, k), (_, n) = mat1, mat2
+    return 2 * m * k * n  # as torch's addmm formula (the added matrix is not counted)
+
+
 _EXTRA_FORMULAS = {  # FlopCounterMode wraps these so they receive shapes
     _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+    _aten.addmm_: _addmm_inplace_flops,  # in-place accumulation (deployed RePa); torch counts only addmm
 }
+
+
+# the attention matmuls (q k^T, attn v): every fused SDPA kernel, and the batched matmuls of unfused attention
+ATTENTION_OPS = (
+    _aten._scaled_dot_product_flash_attention_for_cpu,
+    _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_efficient_attention,
+    _aten._scaled_dot_product_cudnn_attention,
+    _aten._flash_attention_forward,
+    _aten._efficient_attention_forward,
+    _aten.bmm,
+    _aten.baddbmm,
+)
+
+
+def _no_flops(*args, out_shape=None, **kwargs) -> int:
+    return 0
 
 
 def _numel(shape) -> int:
@@ -55,13 +90,16 @@ def _layer_norm_flops(x, normalized_shape, weight=None, *args, out_shape=None, *
     return _norm_flops(x, weight)
 
 
-_NORM_FORMULAS = {
-    _aten.native_layer_norm: _layer_norm_flops,
-    _aten.native_group_norm: _norm_flops,
-    _aten.native_batch_norm: _norm_flops,
-    _aten._native_batch_norm_legit: _norm_flops,
-    _aten._native_batch_norm_legit_no_training: _norm_flops,
-}
+_NORM_OPS = (_aten.native_layer_norm, _aten.native_group_norm, _aten.native_batch_norm,
+             _aten._native_batch_norm_legit, _aten._native_batch_norm_legit_no_training)
+_NORM_FORMULAS = {op: _layer_norm_flops if op is _aten.native_layer_norm else _norm_flops for op in _NORM_OPS}
+
+
+def _flat_norm_formulas(macs_per_element: int) -> Dict:
+    """A flat cost per normalization output element, affine or not (fvcore charges 5)."""
+    def flops(x, *args, out_shape=None, **kwargs) -> int:
+        return 2 * _numel(x) * macs_per_element
+    return {op: flops for op in _NORM_OPS}
 
 
 def count_params(model: nn.Module, trainable_only: bool = False) -> int:
@@ -104,21 +142,41 @@ def input_size_of(model: nn.Module) -> Tuple[int, int, int]:
 @torch.no_grad()
 def count_macs(model: nn.Module, input_size: Optional[Sequence[int]] = None,
                inputs: Optional[Union[torch.Tensor, Tuple[torch.Tensor, ...]]] = None,
-               include_norms: bool = False) -> MacReport:
+               include_norms: bool = False, norm_macs_per_element: Optional[int] = None,
+               include_attention: bool = True) -> MacReport:
     """Count the MACs of ``model`` on one ``(1, C, H, W)`` input (or on ``inputs``).
 
-    Matmuls, convolutions and attention are always counted; ``include_norms`` adds the
-    normalization layers (see the module docstring).
+    Matmuls and convolutions are always counted. The papers' conventions (module docstring):
+
+    Args:
+        include_norms: also count normalization layers, by default 2 MACs per output element
+            with an affine scale and shift, 1 without (ptflops).
+        norm_macs_per_element: with ``include_norms``, a flat cost per normalization output
+            element instead (5: fvcore's rule).
+        include_attention: count the attention matmuls ``q k^T`` and ``attn v`` (default; they
+            are real work: 0.18 of DeiT-Ti's 1.25 GMACs). ``False`` drops them.
 
     The model is run in eval mode (restored afterwards) under ``torch.no_grad``, on its own
     device and dtype.
     """
+    if norm_macs_per_element is not None:
+        if not include_norms:
+            raise ValueError(f'norm_macs_per_element={norm_macs_per_element} applies to counted norms; pass '
+                             f'include_norms=True with it (or drop it to leave norms out)')
+        if isinstance(norm_macs_per_element, bool) or not isinstance(norm_macs_per_element, int) \
+                or norm_macs_per_element < 0:
+            raise ValueError(f'norm_macs_per_element must be a non-negative integer (MACs per normalization '
+                             f'output element, e.g. 5 for fvcore\'s rule), got {norm_macs_per_element!r}')
     if inputs is None:
         p = next(model.parameters())
         size = tuple(input_size) if input_size is not None else input_size_of(model)
         inputs = torch.randn(1, *size, device=p.device, dtype=p.dtype)
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    formulas = {**_EXTRA_FORMULAS, **(_NORM_FORMULAS if include_norms else {})}
+    formulas = dict(_EXTRA_FORMULAS)
+    if include_norms:
+        formulas.update(_NORM_FORMULAS if norm_macs_per_element is None else _flat_norm_formulas(norm_macs_per_element))
+    if not include_attention:
+        formulas.update({op: _no_flops for op in ATTENTION_OPS})
     was_training = model.training
     model.eval()
     try:
@@ -128,5 +186,6 @@ def count_macs(model: nn.Module, input_size: Optional[Sequence[int]] = None,
         model.train(was_training)
     counts = counter.get_flop_counts()
     by_module = {name: sum(ops.values()) // 2 for name, ops in counts.items()}
-    by_op = {str(op).split('.')[-1]: flops // 2 for op, flops in counts.get('Global', {}).items()}
+    by_op = {str(op).split('.')[-1]: flops // 2 for op, flops in counts.get('Global', {}).items()
+             if flops}  # ops a convention drops (counted as 0) are not listed
     return MacReport(total=counter.get_total_flops() // 2, by_op=by_op, by_module=by_module)

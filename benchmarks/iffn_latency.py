@@ -1,0 +1,321 @@
+"""IFFN inference latency relative to its baseline, and where the time goes (CPU).
+
+Command (results and discussion: docs/iffn_speed.md):
+
+    .venv/bin/python benchmarks/iffn_latency.py                 # eager: training form, deployed
+    .venv/bin/python benchmarks/iffn_latency.py --compile       # + torch.compile of both models
+
+What is measured, all at ``--batch-size`` (32) in inference mode (eval + torch.inference_mode),
+the models interleaved batch by batch in one run (vitblocks.profile.benchmark_models), so
+drift and other load on the machine hit every model alike:
+
+1. end to end, median wall-clock ms per batch and images/s of
+   * the IFFN model in training form (eval mode, straightforward eager code),
+   * the IFFN model deployed with ``vitblocks.deploy.reparameterize`` (BN folded, inference path),
+   * the baseline (also passed through ``reparameterize``; DeiT has nothing to fold),
+   and the ratios IFFN / baseline;
+2. with ``--compile``: ``torch.compile`` of the deployed IFFN model and of the baseline, same
+   protocol, so the ratio compares compiled with compiled;
+3. a per-component breakdown of one FFN (the first block's, on the input it really receives,
+   e.g. 32 x 196 tokens x 384 channels for iffn_deit_small): every ATen op the FFN runs is timed
+   wall-clock (median over repeats, ms per batch) and attributed to a component in execution
+   order (fc1 -> activations -> norm C' -> depthwise block -> fc2 -> output norm), with copies
+   (concat, contiguous) listed as layout copies. torch.profiler is not used: on this VM its CPU
+   timestamps come in 4 ms steps.
+"""
+import argparse
+import ctypes
+import platform
+import statistics
+import time
+from collections import defaultdict
+from typing import Callable, Dict, List, Optional
+
+import timm
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import vitblocks  # noqa: F401  (registers the iffn_* models with timm)
+from vitblocks.deploy import reparameterize
+from vitblocks.layers import IFFN
+from vitblocks.models import find_ffn_slots
+from vitblocks.profile import benchmark_models, count_macs, fixed_threads, input_size_of
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--models', nargs=2, metavar=('IFFN_MODEL', 'BASELINE'),
+                   default=['iffn_deit_small_patch16_224', 'deit_small_patch16_224'],
+                   help='the IFFN model and its baseline (default: %(default)s)')
+    p.add_argument('--batch-size', type=int, default=32, help='images per batch (default 32)')
+    p.add_argument('--threads', type=int, help="torch intra-op threads (default: torch's default)")
+    p.add_argument('--warmup', type=int, default=3, help='untimed batches per model (default 3)')
+    p.add_argument('--repeats', type=int, default=10, help='timed batches per model, median reported (default 10)')
+    p.add_argument('--compile', action='store_true', help='also time torch.compile of both models')
+    p.add_argument('--breakdown-repeats', type=int, default=10,
+                   help='timed FFN calls per variant for the breakdown (default 10; 0 skips it)')
+    p.add_argument('--chunk-bytes', type=int,
+                   help='IFFN.inference_chunk_bytes for the deployed model: batch slices of this many bytes of '
+                        'hidden features, 0 = whole batch (default: the layer\'s, 8 MiB single-threaded, else 0)')
+    p.add_argument('--glibc-no-mmap', action='store_true',
+                   help='diagnostic: make glibc malloc keep large blocks (mallopt) instead of mapping fresh, '
+                        'zero-filled pages for every big tensor; changes the process, not the models')
+    return p.parse_args(argv)
+
+
+def glibc_keep_large_blocks() -> bool:
+    """mallopt(M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=2 GiB): large tensors reuse heap memory."""
+    try:
+        libc = ctypes.CDLL('libc.so.6')
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
+
+
+def cpu_name() -> str:
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or 'unknown CPU'
+
+
+def table(header: List[str], rows: List[List[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    fmt = lambda r: '  '.join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return '\n'.join([fmt(header), fmt(['-' * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def latency_rows(results, baseline_key: str, op_counts: Optional[Dict[str, int]] = None) -> List[List[str]]:
+    base = results[baseline_key]
+    rows = []
+    for name, r in results.items():
+        # each round times every model once, back to back: the ratio within a round cancels slow drift
+        per_round = statistics.median(t / b for t, b in zip(r.times_ms, base.times_ms))
+        rows.append([name, f'{r.median_ms:.1f}', f'{r.p10_ms:.1f}', f'{r.p90_ms:.1f}', f'{r.images_per_s:.1f}',
+                     f'{r.median_ms / base.median_ms:.3f}x', f'{per_round:.3f}x']
+                    + ([str(op_counts[name])] if op_counts else []))
+    return rows
+
+
+LATENCY_HEADER = ['model', 'median ms/batch', 'p10 ms', 'p90 ms', 'images/s', 'vs baseline', 'per-round ratio']
+
+
+# ----------------------------------------------------------------------------- breakdown
+
+class OpTimer(TorchDispatchMode):
+    """Time every ATen op (wall clock, CPU ops are synchronous) and label it with ``classify``."""
+
+    def __init__(self, classify: Callable):
+        super().__init__()
+        self.classify = classify
+        self.totals: Dict[str, float] = defaultdict(float)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.totals[self.classify(func, args)] += (time.perf_counter() - t0) * 1e3
+        return out
+
+
+class OpCounter(TorchDispatchMode):
+    """Count the ATen ops that do work (views and empty allocations excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split('.')[0]
+        if name not in _VIEWS and not name.startswith('empty') and name != 'new_empty':
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(model: nn.Module, x: torch.Tensor, num_threads: Optional[int]) -> int:
+    """Work-doing ATen ops in one inference forward: each is a kernel launch and, with several
+    intra-op threads, a fork/join of the thread pool."""
+    with fixed_threads(num_threads), torch.inference_mode(), OpCounter() as counter:
+        model(x)
+    return counter.count
+
+
+COMPONENTS = ['fc1', "activations (+concat)", "norm C'", 'depthwise block', 'layout copies', 'fc2',
+              'output norm', 'other ops']
+_VIEWS = {'dropout', 'view', '_unsafe_view', 't', 'transpose', 'permute', 'unsqueeze', 'slice', 'select', 'expand',
+          'as_strided', 'reshape', 'flatten', 'alias', 'detach', 'split', 'split_with_sizes', 'unbind', 'squeeze'}
+_COPIES = {'cat', 'clone', 'contiguous', '_to_copy', 'copy_', 'copy'}
+
+
+def make_classifier(c_in: int, c_hidden: int, c_out: int):
+    """Attribute ops to FFN components by execution order: a component starts at its marker op.
+
+    Markers: the matmul/1x1 conv reading ``c_in`` channels is fc1, the one reading ``c_hidden``
+    channels is fc2, the LayerNorm over ``c_hidden`` is the hidden norm, the depthwise conv starts
+    the depthwise block; element-wise ops belong to the component they follow.
+    """
+    state = {'phase': 'other ops'}
+    after = {'fc1': 'activations (+concat)', "norm C'": 'depthwise block', 'depthwise block': 'depthwise block',
+             'fc2': 'other ops', 'output norm': 'other ops'}
+
+    def marker(name: str, args) -> Optional[str]:
+        if name in ('addmm', 'mm', 'linear'):
+            mat = args[1] if name == 'addmm' else args[0]
+            return {c_in: 'fc1', c_hidden: 'fc2'}.get(mat.shape[-1])
+        if name in ('conv2d', 'convolution', '_convolution', 'mkldnn_convolution'):
+            w = args[1]
+            if w.shape[-1] == 1 and w.shape[-2] == 1 and w.shape[1] > 1:  # 1x1 conv = channels-first fc
+                return {c_in: 'fc1', c_hidden: 'fc2'}.get(w.shape[1])
+            return 'depthwise block'
+        if name in ('native_layer_norm', 'layer_norm'):
+            return {c_hidden: "norm C'", c_out: 'output norm'}.get(args[0].shape[-1])
+        return None
+
+    def classify(func, args) -> str:
+        name = func.__name__.split('.')[0]
+        m = marker(name, args)
+        if m is not None:
+            state['phase'] = after[m]
+            return m
+        if name in _COPIES:
+            return 'layout copies'
+        if name in _VIEWS or name.startswith('empty') or name == 'new_empty':
+            return 'other ops'
+        return state['phase']
+    return classify
+
+
+def ffn_dims(ffn: nn.Module):
+    fc1, fc2 = ffn.fc1, ffn.fc2
+    dims = lambda m: (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.in_channels, m.out_channels)
+    (c_in, _), (c_hidden, c_out) = dims(fc1), dims(fc2)
+    return c_in, c_hidden, c_out
+
+
+def first_ffn(model: nn.Module):
+    """(qualified name, module) of the first channel MLP of a supported timm model."""
+    parent, attr, qualname, _ = find_ffn_slots(model)[0]
+    return qualname, getattr(parent, attr)
+
+
+def first_ffn_and_input(model: nn.Module, batch_size: int, input_size):
+    """The first channel MLP of ``model`` and the tensor it receives in a real forward."""
+    qualname, ffn = first_ffn(model)
+    seen = {}
+    handle = ffn.register_forward_pre_hook(lambda m, args: seen.setdefault('x', args[0].clone()))
+    try:
+        with torch.inference_mode():
+            model(torch.randn(batch_size, *input_size))
+    finally:
+        handle.remove()
+    return qualname, ffn, seen['x']
+
+
+def breakdown(ffns: Dict[str, tuple], repeats: int, num_threads: Optional[int]):
+    """Per-component ms per call (median over ``repeats``) of several (ffn, input) pairs, interleaved."""
+    per_call = {name: defaultdict(list) for name in ffns}
+    whole = {name: [] for name in ffns}
+    with fixed_threads(num_threads), torch.inference_mode():
+        for ffn, x in ffns.values():  # warm-up
+            ffn(x)
+        for _ in range(repeats):
+            for name, (ffn, x) in ffns.items():
+                t0 = time.perf_counter()
+                ffn(x)
+                whole[name].append((time.perf_counter() - t0) * 1e3)
+                with OpTimer(make_classifier(*ffn_dims(ffn))) as timer:
+                    ffn(x)
+                for comp in COMPONENTS:
+                    per_call[name][comp].append(timer.totals.get(comp, 0.0))
+                per_call[name]['sum of ops'].append(sum(timer.totals.values()))
+    med = {name: {c: statistics.median(v) for c, v in comps.items()} for name, comps in per_call.items()}
+    return med, {name: statistics.median(v) for name, v in whole.items()}
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.glibc_no_mmap and not glibc_keep_large_blocks():
+        raise SystemExit('--glibc-no-mmap: mallopt is unavailable (not glibc?)')
+    iffn_name, base_name = args.models
+    torch.manual_seed(0)
+    iffn_train = timm.create_model(iffn_name).eval()
+    baseline = reparameterize(timm.create_model(base_name))
+    deployed = reparameterize(iffn_train)
+    if args.chunk_bytes is not None:
+        for m in deployed.modules():
+            if isinstance(m, IFFN):
+                m.inference_chunk_bytes = args.chunk_bytes
+    size = input_size_of(iffn_train)
+    threads = args.threads or torch.get_num_threads()
+
+    with torch.inference_mode():  # the deployed model computes the same function
+        x = torch.randn(2, *size)
+        ref = iffn_train(x)
+        rel = ((deployed(x) - ref).abs().max() / ref.abs().max()).item()
+    macs_iffn, macs_base = count_macs(iffn_train).total, count_macs(baseline).total
+
+    print(f'torch {torch.__version__}, timm {timm.__version__}, {cpu_name()}, {threads} threads'
+          f'{", glibc malloc keeps large blocks (--glibc-no-mmap)" if args.glibc_no_mmap else ""}')
+    print(f'{iffn_name} vs {base_name}: batch {args.batch_size} x {"x".join(map(str, size))}, inference mode '
+          f'(eval + torch.inference_mode), {args.warmup} warm-up + {args.repeats} timed batches per model, interleaved')
+    print(f'MACs per image: {macs_iffn / 1e9:.3f} G vs {macs_base / 1e9:.3f} G = {macs_iffn / macs_base:.3f}x; '
+          f'deployed vs training form: max relative difference {rel:.1e}')
+    chunk = args.chunk_bytes if args.chunk_bytes is not None else IFFN.inference_chunk_bytes
+    if chunk is None:
+        chunk = 8 * 2 ** 20 if threads == 1 else 0
+    print('deployed IFFN: BN folded, inference path, '
+          + (f'batch slices of {chunk / 2 ** 20:.1f} MiB of hidden features\n' if chunk else 'whole batch at once\n'))
+
+    results = benchmark_models({f'{iffn_name} (training form, eval)': iffn_train,
+                                f'{iffn_name} (deployed)': deployed,
+                                f'{base_name} (baseline)': baseline},
+                               batch_size=args.batch_size, input_size=size, warmup=args.warmup,
+                               repeats=args.repeats, num_threads=args.threads)
+    x = torch.randn(args.batch_size, *size)
+    op_counts = {name: count_ops(m, x, args.threads) for name, m in
+                 zip(results, (iffn_train, deployed, baseline))}
+    print('eager, ms per batch of', args.batch_size)
+    print(table(LATENCY_HEADER + ['ops/forward'], latency_rows(results, f'{base_name} (baseline)', op_counts)))
+
+    if args.compile:
+        compiled = {f'{iffn_name} (deployed, compiled)': torch.compile(deployed),
+                    f'{base_name} (baseline, compiled)': torch.compile(baseline)}
+        compile_s = {}
+        with fixed_threads(args.threads), torch.inference_mode():
+            for name, m in compiled.items():
+                t0 = time.perf_counter()
+                m(torch.randn(args.batch_size, *size))
+                compile_s[name] = time.perf_counter() - t0
+        results_c = benchmark_models(compiled, batch_size=args.batch_size, input_size=size, warmup=args.warmup,
+                                     repeats=args.repeats, num_threads=args.threads)
+        print(f'\ntorch.compile (default mode, inductor), ms per batch of {args.batch_size}; first call (compile) '
+              + ', '.join(f'{n.split(" ")[0]} {s:.0f} s' for n, s in compile_s.items()))
+        print(table(LATENCY_HEADER, latency_rows(results_c, f'{base_name} (baseline, compiled)')))
+
+    if args.breakdown_repeats > 0:
+        qual_i, ffn_train, x_i = first_ffn_and_input(iffn_train, args.batch_size, size)
+        _, ffn_dep = first_ffn(deployed)
+        qual_b, ffn_base, x_b = first_ffn_and_input(baseline, args.batch_size, size)
+        variants = {'Mlp (baseline)': (ffn_base, x_b), 'IFFN training form': (ffn_train, x_i),
+                    'IFFN deployed': (ffn_dep, x_i)}
+        comps, whole = breakdown(variants, args.breakdown_repeats, args.threads)
+        print(f'\nwhere the time goes: one FFN ({qual_i}; baseline {qual_b}), input {tuple(x_i.shape)} '
+              f'(baseline {tuple(x_b.shape)}), ms per call, median of {args.breakdown_repeats}')
+        rows = [[c] + [f'{comps[v][c]:.2f}' for v in variants] for c in COMPONENTS + ['sum of ops']]
+        rows.append(['whole FFN, untimed ops'] + [f'{whole[v]:.2f}' for v in variants])
+        rows.append(['whole FFN vs Mlp'] + [f'{whole[v] / whole["Mlp (baseline)"]:.2f}x' for v in variants])
+        print(table(['component'] + list(variants), rows))
+        print("(per-op timing adds ~10 us of Python per op; 'other ops' = views and allocations; the deployed "
+              'FFN runs its components once per batch slice)')
+
+
+if __name__ == '__main__':
+    main()

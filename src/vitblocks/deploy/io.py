@@ -1,0 +1,168 @@
+"""Save and load deployed (re-parameterized) weights as safetensors files.
+
+A deployed checkpoint holds the state dict of a model in its inference form (every
+re-parameterizable layer fused) plus a little metadata: the format tag, the model name and,
+if given, the block config it was built with. It loads into a model built *directly* in
+deploy form, so no training-form weights are ever materialized::
+
+    from vitblocks.deploy import reparameterize
+    from vitblocks.deploy.io import load_deployed, save_deployed
+
+    save_deployed(reparameterize(trained), 'repa_deit_b.safetensors')       # atomic write
+    model = load_deployed('repa_deit_base_patch16_224', 'repa_deit_b.safetensors')
+
+Writes are atomic (a temporary file in the target directory, then ``os.replace``), so an
+interrupted save never leaves a truncated checkpoint under the final name. Reading a missing,
+corrupt or foreign file raises :class:`DeployedCheckpointError` saying which and what to do.
+"""
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import timm
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+__all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'DeployedCheckpointError', 'FORMAT']
+
+FORMAT = 'vitblocks.deployed/1'  # metadata['format'] of every file save_deployed writes
+
+PathLike = Union[str, os.PathLike]
+
+
+class DeployedCheckpointError(ValueError):
+    """A deployed checkpoint is missing, unreadable, not ours, or does not fit the model."""
+
+
+def _reparameterize(model: nn.Module, inplace: bool) -> nn.Module:
+    # imported here: vitblocks.deploy's __init__ may import this module
+    from . import reparameterize
+    return reparameterize(model, inplace=inplace)
+
+
+def _architecture(model: nn.Module) -> str:
+    cfg = getattr(model, 'pretrained_cfg', None) or {}
+    return str(cfg.get('architecture') or '')
+
+
+def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
+                  block_cfg: Optional[Dict[str, Any]] = None) -> Path:
+    """Write ``model``'s deployed weights to ``path`` (safetensors), atomically.
+
+    Args:
+        model: a model in deploy form, or in training form: then a re-parameterized copy is
+            saved (``vitblocks.deploy.reparameterize``, eval-mode statistics); ``model`` itself
+            is never changed. Saving a deployed model re-parameterizes nothing.
+        path: the file to write (parent directories are created); an existing file is replaced
+            only once the new one is complete.
+        name: the timm / vitblocks model name to record (default: the model's
+            ``pretrained_cfg['architecture']``).
+        block_cfg: the block config the model was built with (e.g. ``{'idle_ratio': 0.5}``),
+            recorded so :func:`load_deployed` rebuilds the same structure by default.
+
+    Returns:
+        The path written.
+    """
+    deployed = _reparameterize(model, inplace=False)
+    metadata = {'format': FORMAT, 'architecture': name or _architecture(model),
+                'torch': torch.__version__, 'timm': timm.__version__}
+    if block_cfg:
+        metadata['block_cfg'] = json.dumps(block_cfg, sort_keys=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
+    os.close(fd)
+    try:
+        save_model(deployed, tmp, metadata=metadata)  # shared tensors stored once, made contiguous
+        os.replace(tmp, path)  # atomic on POSIX and Windows (same directory, same file system)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_deployed_metadata(path: PathLike) -> Dict[str, str]:
+    """The metadata of a deployed checkpoint, after checking that it is one."""
+    path = Path(path)
+    if not path.is_file():
+        raise DeployedCheckpointError(f'no deployed checkpoint at {path}: the file does not exist')
+    try:
+        with safe_open(str(path), framework='pt') as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DeployedCheckpointError(
+            f'{path} is not a readable safetensors file ({e}); it is corrupt or truncated, or another format '
+            f'(a torch .pth/.bin checkpoint?). Re-save it with vitblocks.deploy.io.save_deployed') from None
+    if metadata.get('format') != FORMAT:
+        found = f"format {metadata['format']!r}" if 'format' in metadata else 'no vitblocks format tag'
+        raise DeployedCheckpointError(
+            f'{path} is a safetensors file but not a vitblocks deployed checkpoint ({found}; expected {FORMAT!r}). '
+            f'For plain weights use safetensors.torch.load_file and model.load_state_dict')
+    return metadata
+
+
+def _build_deployed(name: str, block_cfg: Optional[Dict[str, Any]], **kwargs) -> nn.Module:
+    """``name`` in deploy form: a vitblocks model built directly with ``block_cfg['deploy'] = True``
+    (no training-form weights); a timm model, or a vitblocks method without a deploy option,
+    built and re-parameterized."""
+    from ..models import list_models, resolve_model_name
+    try:
+        name = resolve_model_name(name)
+    except ValueError as e:
+        raise DeployedCheckpointError(str(e)) from None
+    if name in list_models():
+        try:
+            return timm.create_model(name, block_cfg={**(block_cfg or {}), 'deploy': True}, **kwargs).eval()
+        except TypeError as e:
+            if 'deploy' not in str(e):
+                raise
+    elif block_cfg:
+        raise DeployedCheckpointError(f'block_cfg applies to vitblocks models only; {name} is a timm model')
+    return _reparameterize(timm.create_model(name, **kwargs), inplace=True)
+
+
+def load_deployed(name_or_model: Union[str, nn.Module], path: PathLike, block_cfg: Optional[Dict[str, Any]] = None,
+                  device: Union[str, torch.device] = 'cpu', **kwargs) -> nn.Module:
+    """Build a model in deploy form and load a deployed checkpoint into it (strict).
+
+    Args:
+        name_or_model: a timm / vitblocks model name, built directly in deploy form (RePa and
+            IFFN models with ``block_cfg={'deploy': True}``, so no training-form weights are
+            created); or a model, which is re-parameterized in place first if it is still in
+            training form, then loaded into.
+        path: a file written by :func:`save_deployed`.
+        block_cfg: block config of the model (default: the one recorded in the file, if any).
+        device: where the weights are loaded.
+        **kwargs: timm kwargs for building by name (``num_classes``, ``img_size``, ...).
+
+    Returns:
+        The model with the checkpoint's weights, in eval mode.
+    """
+    path = Path(path)
+    metadata = read_deployed_metadata(path)
+    saved = metadata.get('architecture', '')
+    if isinstance(name_or_model, str):
+        if saved and saved != name_or_model and saved.split('.')[0] != name_or_model.split('.')[0]:
+            raise DeployedCheckpointError(f'{path} holds weights of {saved}, not {name_or_model}; '
+                                          f'pass {saved!r} (or build the model yourself and pass it)')
+        cfg = block_cfg if block_cfg is not None else json.loads(metadata.get('block_cfg', '{}'))
+        model = _build_deployed(name_or_model, cfg, **kwargs)
+        what = name_or_model
+    else:
+        model = _reparameterize(name_or_model, inplace=True)
+        what = _architecture(model) or type(model).__name__
+    try:
+        load_model(model, str(path), strict=True, device=str(device))
+    except SafetensorError as e:  # a valid header over truncated or damaged data
+        raise DeployedCheckpointError(f'{path} is damaged: its header reads but its tensors do not ({e}); '
+                                      f're-save it with vitblocks.deploy.io.save_deployed') from None
+    except RuntimeError as e:  # missing / unexpected keys or shape mismatch
+        detail = ' '.join(str(e).split())
+        raise DeployedCheckpointError(
+            f'{path} ({saved or "unknown model"}) does not fit {what} in deploy form: {detail[:500]}. '
+            f'Was it saved from another model, block config (idle_ratio?) or num_classes?') from None
+    return model.to(device).eval()

@@ -1,0 +1,168 @@
+"""IFFN deploy form: fuse() / reparameterize() equivalence, deploy-form checkpoints, timm protocol."""
+import copy
+
+import pytest
+import timm
+import torch
+from timm.utils import reparameterize_model
+from torch import nn
+
+import vitblocks  # noqa: F401  (registers the models)
+from vitblocks.deploy import reparameterize
+from vitblocks.layers import IFFN, ConcatArbitraryActivations
+
+RTOL = 1e-5  # relative error allowed between training form (eval) and deploy form, fp32
+
+
+def _randomize(module: nn.Module):
+    """Move parameters, BatchNorm statistics and AGeLU coefficients away from their identity-like
+    defaults (default BN and AGeLU are identities and would hide folding bugs, cf. RepVGG verify)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.normal_(0, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    return module
+
+
+def _reset_bn_and_agelu(module: nn.Module):
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.reset_parameters()  # running stats and affine back to identity
+            if isinstance(m, ConcatArbitraryActivations):
+                m.init_weights()  # alpha = beta = 1, gamma = theta = 0
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def _check_deploy(module: nn.Module, x: torch.Tensor, deploy=lambda m: m.fuse()):
+    """Randomize, check the randomization matters, deploy and compare in inference mode."""
+    module = _randomize(module).eval()
+    plain = copy.deepcopy(module)
+    _reset_bn_and_agelu(plain)
+    with torch.inference_mode():
+        ref = module(x)
+        assert _rel_err(plain(x), ref) > 1e-2, 'randomized BN/AGeLU did not change the output'
+        deployed = deploy(module)
+        x_before = x.clone()
+        out = deployed(x)
+    torch.testing.assert_close(x, x_before, rtol=0, atol=0)  # in-place work never touches the input
+    assert out.shape == ref.shape and out.stride() == ref.stride()
+    assert _rel_err(out, ref) <= RTOL
+    return deployed, ref
+
+
+@pytest.mark.parametrize('cfg', [dict(), dict(num_functions=4), dict(act_layer='softplus'), dict(bias=False),
+                                 dict(channel_part=False), dict(spatial_part=False), dict(kernel_size=5)])
+def test_fuse_matches_training_form_tokens_with_prefix(cfg):
+    ffn = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2, **cfg)
+    deployed, _ = _check_deploy(ffn, torch.randn(3, 2 + 12, 16))
+    assert deployed is not ffn and deployed.deploy and not ffn.deploy
+    assert deployed.layout is ffn.layout  # grid tracking keeps working
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in deployed.modules())
+
+
+def test_fuse_matches_training_form_channels_first_and_channels_last_maps():
+    _check_deploy(IFFN(16, 64, channels_first=True), torch.randn(3, 16, 4, 5))  # (B, C, H, W), PoolFormer
+    _check_deploy(IFFN(16, 64, grid_size=(4, 5)), torch.randn(3, 4, 5, 16))  # (B, H, W, C) maps
+
+
+def test_batch_slices_give_the_same_numbers():
+    ffn = _randomize(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1)).eval()
+    deployed = ffn.fuse()
+    x = torch.randn(5, 13, 16)
+    with torch.inference_mode():
+        whole = deployed(x)
+        deployed.inference_chunk_bytes = 2 * 13 * 64 * 4  # two samples per slice: 3 slices
+        sliced = deployed(x)
+        torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
+        assert _rel_err(sliced, ffn(x)) <= RTOL
+
+
+def test_deploy_form_uses_reference_path_under_autograd():
+    ffn = _randomize(IFFN(16, 64, grid_size=(3, 4))).eval()
+    deployed = ffn.fuse()
+    x = torch.randn(2, 12, 16, requires_grad=True)
+    out = deployed(x)  # autograd on: readable path, no in-place ops on saved tensors
+    out.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    with torch.inference_mode():
+        torch.testing.assert_close(out.detach(), deployed(x.detach()), rtol=RTOL, atol=RTOL)
+
+
+def test_deploy_form_errors_like_training_form():
+    deployed = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1, deploy=True).eval()
+    with torch.inference_mode(), pytest.raises(ValueError, match='1 prefix tokens \\+ a 3x4 grid = 13'):
+        deployed(torch.randn(2, 12, 16))
+
+
+def test_fuse_is_idempotent_and_keeps_mode():
+    ffn = _randomize(IFFN(16, 64, grid_size=(3, 4)))
+    fused = ffn.fuse()
+    assert fused.training == ffn.training and fused.fuse() is fused
+    assert isinstance(ffn.spatial.bn, nn.BatchNorm2d)  # the training form is left as it was
+
+
+def test_deploy_form_constructs_directly_and_loads_fused_state_dict():
+    ffn = _randomize(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2)).eval()
+    fused = ffn.fuse()
+    built = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2, deploy=True).eval()
+    built.load_state_dict(fused.state_dict())  # strict: same keys, same shapes
+    x = torch.randn(2, 14, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(built(x), fused(x), rtol=0, atol=0)
+    n_train, n_deploy = (sum(p.numel() for p in m.parameters()) for m in (ffn, built))
+    assert n_train - n_deploy == 2 * 64  # only the BatchNorm affine is gone
+
+
+def _tiny_model(**kwargs):
+    return timm.create_model('iffn_deit_tiny_patch16_224', img_size=64, **kwargs)
+
+
+def test_full_model_reparameterize_matches_and_copies():
+    model = _tiny_model()
+    x = torch.randn(2, 3, 64, 64)
+    deployed, ref = _check_deploy(model, x, deploy=reparameterize)
+    assert isinstance(model.blocks[0].mlp.spatial.bn, nn.BatchNorm2d)  # copied: the original is untouched
+    assert not deployed.training
+    assert all(m.deploy for m in deployed.modules() if isinstance(m, IFFN))
+    assert deployed.blocks[0].mlp.layout is deployed.patch_embed._vitblocks_layout
+    # idempotent
+    again = reparameterize(deployed)
+    with torch.inference_mode():
+        torch.testing.assert_close(again(x), deployed(x), rtol=0, atol=0)
+    # timm's reparameterize_model walks the same fuse() protocol and gives the same model
+    via_timm = reparameterize_model(copy.deepcopy(model).eval())
+    assert via_timm.state_dict().keys() == deployed.state_dict().keys()
+    with torch.inference_mode():
+        torch.testing.assert_close(via_timm(x), deployed(x), rtol=0, atol=0)
+
+
+def test_parameter_counts_training_and_deploy_forms():
+    with torch.device('meta'):  # shapes only: no memory, no init cost
+        trained = timm.create_model('iffn_deit_tiny_patch16_224')
+        deployed = timm.create_model('iffn_deit_tiny_patch16_224', block_cfg={'deploy': True})
+    assert sum(p.numel() for p in trained.parameters()) == 4_998_184
+    assert sum(p.numel() for p in deployed.parameters()) == 4_998_184 - 12 * 2 * 768  # 12 BN affines
+
+
+def test_deploy_form_model_loads_fused_checkpoint_and_tracks_grid():
+    model = _randomize(_tiny_model(dynamic_img_size=True)).eval()
+    deployed = reparameterize(model)
+    built = _tiny_model(dynamic_img_size=True, block_cfg={'deploy': True}).eval()
+    built.load_state_dict(deployed.state_dict())
+    x = torch.randn(2, 3, 48, 80)  # another resolution: a 3x5 grid, tracked by the patch-embed hook
+    with torch.inference_mode():
+        ref = model(x)
+        assert _rel_err(built(x), ref) <= RTOL
+        assert _rel_err(deployed(x), ref) <= RTOL
+
+
+def test_channels_first_model_deploys():
+    model = timm.create_model('iffn_poolformer_s12', num_classes=10)
+    _check_deploy(model, torch.randn(2, 3, 64, 64), deploy=reparameterize)

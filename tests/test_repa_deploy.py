@@ -1,0 +1,235 @@
+"""Deployed RePa models: safetensors save/load, ONNX (checked in onnxruntime) and TorchScript export.
+
+Every model has its BatchNorm statistics and affine parameters randomized before it is deployed
+(default BatchNorm is an identity and would hide a wrong fold or a wrong load).
+"""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import vitblocks  # noqa: F401  (registers the repa_* models)
+from vitblocks.cli import export as export_cli
+from vitblocks.cli.common import ArgumentParser, CliError
+from vitblocks.deploy import reparameterize
+from vitblocks.deploy import io as deploy_io
+from vitblocks.deploy.export import check_export, export_onnx, export_torchscript
+from vitblocks.deploy.io import FORMAT, DeployedCheckpointError, load_deployed, read_deployed_metadata, save_deployed
+from vitblocks.layers import RePaDeployedFFN, RePaFFN
+
+# torch.jit.trace/save/load and the TorchScript-based ONNX exporter are deprecated in torch 2.x; tested on purpose
+pytestmark = [pytest.mark.filterwarnings('ignore:`torch.jit.*` is deprecated:FutureWarning'),
+              pytest.mark.filterwarnings('ignore:You are using the legacy TorchScript-based ONNX export'),
+              pytest.mark.filterwarnings('ignore:The feature will be removed:DeprecationWarning')]
+
+# small registered models: the registered width and unit, 2 blocks at 32 px (ViT); PoolFormer-S12 is
+# built full size by name (timm fixes its depth), run at 32 px
+SMALL = {
+    'repa_deit_tiny_patch16_224': (dict(depth=2, img_size=32, num_classes=10), (3, 32, 32)),
+    'repa_poolformer_s12': (dict(num_classes=10), (3, 32, 32)),
+}
+
+
+def _has(*packages):
+    return all(importlib.util.find_spec(p) is not None for p in packages)
+
+
+@torch.no_grad()
+def _trained(name, **block_cfg):
+    """A training-form model with random BN statistics / affine params and layer-scales, in eval mode."""
+    kwargs, size = SMALL[name]
+    model = timm.create_model(name, block_cfg=block_cfg or None, **kwargs).eval()
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.normal_(0., 1.)
+            m.running_var.uniform_(0.3, 3.)
+            m.weight.normal_(1., 0.5)
+            m.bias.normal_(0., 0.5)
+        if isinstance(m, RePaFFN) and m.layer_scale is not None:
+            m.layer_scale.normal_(0., 1.)
+    return model, size
+
+
+def _units(model, cls):
+    return sum(isinstance(m, cls) for m in model.modules())
+
+
+# --- safetensors ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('name', sorted(SMALL))
+def test_safetensors_round_trip_builds_the_deploy_form_directly(name, tmp_path):
+    model, size = _trained(name)
+    deployed = reparameterize(model)
+    path = save_deployed(deployed, tmp_path / 'sub' / 'model.safetensors')
+    assert path.is_file() and [p.name for p in path.parent.iterdir()] == ['model.safetensors']  # no temp left over
+    meta = read_deployed_metadata(path)
+    assert meta['format'] == FORMAT and meta['architecture'] == name
+
+    loaded = load_deployed(name, path, **SMALL[name][0])
+    assert _units(loaded, RePaFFN) == 0 and _units(loaded, RePaDeployedFFN) == _units(model, RePaFFN) > 0
+    assert not loaded.training
+    x = torch.randn(2, *size)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), deployed(x))
+        ref = model(x)
+        assert ((loaded(x) - ref).norm() / ref.norm()).item() < 1e-5  # and it is still the trained model
+
+
+def test_saving_a_training_form_model_saves_its_deployed_copy(tmp_path):
+    model, size = _trained('repa_deit_tiny_patch16_224')
+    path = save_deployed(model, tmp_path / 'm.safetensors')
+    assert _units(model, RePaFFN) == 2  # the model itself is untouched
+    loaded = load_deployed('repa_deit_tiny_patch16_224', path, **SMALL['repa_deit_tiny_patch16_224'][0])
+    x = torch.randn(2, *size)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), reparameterize(model)(x))
+
+
+def test_load_into_a_model_instance_reparameterizes_it_first(tmp_path):
+    model, size = _trained('repa_deit_tiny_patch16_224')
+    path = save_deployed(model, tmp_path / 'm.safetensors')
+    target = timm.create_model('repa_deit_tiny_patch16_224', **SMALL['repa_deit_tiny_patch16_224'][0])
+    loaded = load_deployed(target, path)
+    assert _units(loaded, RePaDeployedFFN) == 2
+    x = torch.randn(2, *size)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), reparameterize(model)(x))
+
+
+def test_block_cfg_is_recorded_and_used(tmp_path):
+    name, kwargs = 'repa_deit_tiny_patch16_224', SMALL['repa_deit_tiny_patch16_224'][0]
+    model, _ = _trained(name, idle_ratio=0.5)
+    path = save_deployed(model, tmp_path / 'm.safetensors', block_cfg={'idle_ratio': 0.5})
+    assert json.loads(read_deployed_metadata(path)['block_cfg']) == {'idle_ratio': 0.5}
+    loaded = load_deployed(name, path, **kwargs)  # idle ratio from the file
+    assert loaded.blocks[0].mlp.active_features == 384  # ceil(768 * 0.5)
+    with pytest.raises(DeployedCheckpointError, match='idle_ratio'):
+        load_deployed(name, path, block_cfg={'idle_ratio': 0.75}, **kwargs)
+
+
+def test_interrupted_save_keeps_the_old_file(tmp_path, monkeypatch):
+    model, _ = _trained('repa_deit_tiny_patch16_224')
+    path = save_deployed(model, tmp_path / 'm.safetensors')
+    before = path.read_bytes()
+
+    def crash(module, filename, metadata=None):
+        Path(filename).write_bytes(b'partial')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(deploy_io, 'save_model', crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_deployed(model, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ['m.safetensors']
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model, _ = _trained('repa_deit_tiny_patch16_224')
+    return save_deployed(model, tmp_path / 'ok.safetensors')
+
+
+@pytest.mark.parametrize('case, message', [
+    ('missing', 'does not exist'),
+    ('garbage', 'not a readable safetensors file'),
+    ('truncated', 'not a readable safetensors file'),
+    ('foreign', 'not a vitblocks deployed checkpoint'),
+    ('other_model', 'holds weights of repa_deit_tiny_patch16_224, not repa_deit_small_patch16_224'),
+    ('other_num_classes', 'does not fit'),
+])
+def test_bad_checkpoints_are_clear_errors(saved, tmp_path, case, message):
+    name, kwargs = 'repa_deit_tiny_patch16_224', dict(SMALL['repa_deit_tiny_patch16_224'][0])
+    path = tmp_path / 'bad.safetensors'
+    if case == 'garbage':
+        path.write_bytes(b'\x00not safetensors at all' * 8)
+    elif case == 'truncated':
+        data = saved.read_bytes()
+        path.write_bytes(data[:len(data) // 2])
+    elif case == 'foreign':
+        save_file({'weight': torch.zeros(3)}, str(path))
+    elif case == 'other_model':
+        path, name = saved, 'repa_deit_small_patch16_224'
+    elif case == 'other_num_classes':
+        path, kwargs['num_classes'] = saved, 7
+    with pytest.raises(DeployedCheckpointError, match=message):
+        load_deployed(name, path, **kwargs)
+
+
+# --- export --------------------------------------------------------------------------------------
+
+_ONNX_CASES = [
+    pytest.param('repa_deit_tiny_patch16_224', True, id='deit-dynamo',
+                 marks=pytest.mark.skipif(not _has('onnx', 'onnxscript', 'onnxruntime'),
+                                          reason='needs onnx, onnxscript and onnxruntime')),
+    pytest.param('repa_deit_tiny_patch16_224', False, id='deit-legacy',
+                 marks=pytest.mark.skipif(not _has('onnx', 'onnxruntime'), reason='needs onnx and onnxruntime')),
+    pytest.param('repa_poolformer_s12', False, id='poolformer-legacy',
+                 marks=pytest.mark.skipif(not _has('onnx', 'onnxruntime'), reason='needs onnx and onnxruntime')),
+]
+
+
+@pytest.mark.parametrize('name, dynamo', _ONNX_CASES)
+def test_onnx_export_matches_pytorch_in_onnxruntime(name, dynamo, tmp_path):
+    model, size = _trained(name)
+    deployed = reparameterize(model)
+    path = export_onnx(deployed, tmp_path / 'm.onnx', input_size=size, batch_size=2, dynamo=dynamo)
+    import onnx
+    onnx.checker.check_model(str(path))
+    # batch 3 != the export's example batch 2: the batch dimension must be dynamic
+    err = check_export(path, deployed, input_size=size, batch_size=3)
+    assert err < 1e-4
+    with torch.no_grad():
+        scale = deployed(torch.randn(3, *size)).abs().max().item()
+    assert scale > 1e-2  # the error is small against outputs that are not
+
+
+@pytest.mark.parametrize('name', sorted(SMALL))
+def test_torchscript_round_trip(name, tmp_path):
+    model, size = _trained(name)
+    deployed = reparameterize(model)
+    path = export_torchscript(deployed, tmp_path / 'm.pt', input_size=size, batch_size=2)
+    loaded = torch.jit.load(str(path))
+    x = torch.randn(3, *size)
+    with torch.no_grad():
+        assert torch.allclose(loaded(x), deployed(x), rtol=1e-5, atol=1e-6)
+    assert check_export(path, deployed, input_size=size) < 1e-5
+
+
+def test_export_refuses_a_model_in_training_mode(tmp_path):
+    model, size = _trained('repa_deit_tiny_patch16_224')
+    with pytest.raises(ValueError, match='eval mode'):
+        export_torchscript(model.train(), tmp_path / 'm.pt', input_size=size)
+
+
+# --- vitblocks export ----------------------------------------------------------------------------
+
+def _cli(*argv):
+    """``vitblocks export ...`` through the command's own parser (as vitblocks.cli.main runs it)."""
+    parser = ArgumentParser(prog='vitblocks')
+    export_cli.add_parser(parser.add_subparsers(dest='command', required=True))
+    args = parser.parse_args(['export', *argv])
+    return args.run(args)
+
+
+def test_cli_exports_deployed_weights_and_checks(tmp_path, capsys):
+    weights = save_deployed(timm.create_model('repa_deit_tiny_patch16_224'), tmp_path / 'w.safetensors')
+    out = tmp_path / 'm.pt'
+    code = _cli('repa_deit_tiny_patch16_224', '--weights', str(weights), '--format', 'torchscript', '--out', str(out),
+                '--batch-size', '1', '--check')
+    text = capsys.readouterr().out
+    assert code == 0 and out.is_file()
+    assert 'deployed' in text and 'check: max abs error' in text
+    err = float(text.split('max abs error ')[1].split()[0])
+    assert err < 1e-5
+
+
+def test_cli_bad_weights_is_a_user_error(tmp_path):
+    bad = tmp_path / 'bad.safetensors'
+    bad.write_bytes(b'garbage')
+    with pytest.raises(CliError, match='not a readable safetensors file'):
+        _cli('repa_deit_tiny_patch16_224', '--weights', str(bad), '--format', 'onnx', '--out', str(tmp_path / 'm'))
