@@ -23,5 +23,8 @@ test: $(BIN)/.installed
 test-all: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
+bench-iffn: $(BIN)/.installed
+	$(BIN)/python benchmarks/iffn_latency.py --compile
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -5,8 +5,10 @@
 """
 from . import layers
 from .layers import create_ffn, list_ffns
-from .models import list_models, swap_ffn
+from .deploy import reparameterize
+from .models import list_models, swap_ffn, swap_residual_ffn
 
 __version__ = '0.1.0'
 
-__all__ = ['swap_ffn', 'list_models', 'list_ffns', 'create_ffn', 'layers', '__version__']
+__all__ = ['swap_ffn', 'swap_residual_ffn', 'reparameterize', 'list_models', 'list_ffns', 'create_ffn', 'layers',
+           '__version__']

@@ -17,6 +17,7 @@ depthwise conv, and inference (eval, no autograd) takes a path with the same num
 fewer memory passes and allocations; docs/iffn_speed.md has the measurements behind it.
 """
 import copy
+import math
 from typing import Callable, Optional, Tuple, Type, Union
 
 import torch
@@ -305,7 +306,7 @@ class IFFN(nn.Module):
         chunk_bytes = self.inference_chunk_bytes
         if chunk_bytes is None:
             chunk_bytes = 8 * 2 ** 20 if torch.get_num_threads() == 1 else 0
-        per_sample = x[0].numel() // x.shape[-1] * self.hidden_features * x.element_size()  # hidden bytes
+        per_sample = math.prod(x.shape[1:-1]) * self.hidden_features * x.element_size()  # hidden bytes
         step = max(1, chunk_bytes // per_sample)
         return step if chunk_bytes and step < x.shape[0] else None
 
