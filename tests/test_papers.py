@@ -228,3 +228,17 @@ def test_repa_rows_before_and_after_reparam(number):
         else:
             assert res.status in ('ok', 'rounding'), (row.label, res.deltas)
             assert res.status == 'ok' or 'round' in row.note
+
+
+def test_meta_device_counts_equal_cpu_counts():
+    """`vitblocks compare` builds on the meta device where it can: shapes only, same numbers."""
+    from vitblocks.cli.compare import Counter
+    jobs = [(r, t) for t in (REPA.table(1), REPA.table(2)) for r in t.rows
+            if r.model in ('repa_deit_tiny_patch16_224', 'swin_tiny_patch4_window7_224')]
+    jobs += [(r, IFFN.table(1)) for r in IFFN.table(1).rows[:2]]
+    assert len(jobs) == 6
+    meta, cpu = Counter(), Counter(devices=('cpu',))
+    meta.measure_all(jobs)
+    cpu.measure_all(jobs)
+    assert dict(meta.built) == {'meta': 4} and dict(cpu.built) == {'cpu': 4}
+    assert meta.cache == cpu.cache

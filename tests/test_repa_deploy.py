@@ -14,8 +14,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import vitblocks  # noqa: F401  (registers the repa_* models)
-from vitblocks.cli import export as export_cli
-from vitblocks.cli.common import ArgumentParser, CliError
+from vitblocks.cli import main
 from vitblocks.deploy import reparameterize
 from vitblocks.deploy import io as deploy_io
 from vitblocks.deploy.export import check_export, export_onnx, export_torchscript
@@ -208,28 +207,27 @@ def test_export_refuses_a_model_in_training_mode(tmp_path):
 
 # --- vitblocks export ----------------------------------------------------------------------------
 
-def _cli(*argv):
-    """``vitblocks export ...`` through the command's own parser (as vitblocks.cli.main runs it)."""
-    parser = ArgumentParser(prog='vitblocks')
-    export_cli.add_parser(parser.add_subparsers(dest='command', required=True))
-    args = parser.parse_args(['export', *argv])
-    return args.run(args)
+def _cli(capsys, *argv):
+    code = main(['export', *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_cli_exports_deployed_weights_and_checks(tmp_path, capsys):
     weights = save_deployed(timm.create_model('repa_deit_tiny_patch16_224'), tmp_path / 'w.safetensors')
     out = tmp_path / 'm.pt'
-    code = _cli('repa_deit_tiny_patch16_224', '--weights', str(weights), '--format', 'torchscript', '--out', str(out),
-                '--batch-size', '1', '--check')
-    text = capsys.readouterr().out
+    code, text, _ = _cli(capsys, 'repa_deit_tiny_patch16_224', '--weights', str(weights), '--format', 'torchscript',
+                         '--out', str(out), '--batch-size', '1', '--check')
     assert code == 0 and out.is_file()
     assert 'deployed' in text and 'check: max abs error' in text
     err = float(text.split('max abs error ')[1].split()[0])
     assert err < 1e-5
 
 
-def test_cli_bad_weights_is_a_user_error(tmp_path):
+def test_cli_bad_weights_is_a_one_line_user_error(tmp_path, capsys):
     bad = tmp_path / 'bad.safetensors'
     bad.write_bytes(b'garbage')
-    with pytest.raises(CliError, match='not a readable safetensors file'):
-        _cli('repa_deit_tiny_patch16_224', '--weights', str(bad), '--format', 'onnx', '--out', str(tmp_path / 'm'))
+    code, out, err = _cli(capsys, 'repa_deit_tiny_patch16_224', '--weights', str(bad), '--format', 'onnx',
+                          '--out', str(tmp_path / 'm.onnx'))
+    assert code == 2 and out == '' and len(err.strip().splitlines()) == 1
+    assert 'not a readable safetensors file' in err and not (tmp_path / 'm.onnx').exists()
