@@ -214,3 +214,10 @@ def test_bench_with_baseline_and_reparam(capsys):
 def test_bench_wrong_input_size_is_a_user_error(capsys):
     assert_one_line_error(*run(capsys, 'bench', 'deit_tiny_patch16_224', '--batch-size', '1', '--repeats', '1',
                                '--input-size', '3', '64', '64'), 'input')
+
+
+def test_python_dash_m_runs_the_command_line():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, '-m', 'vitblocks', '--version'], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f'vitblocks {vitblocks.__version__}'

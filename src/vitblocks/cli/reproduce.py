@@ -1,10 +1,13 @@
 """`vitblocks reproduce ninformer-table1`: train a paper's models with its recipe, print ours vs the paper."""
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from ..data import DataError
 from ..experiments import CheckpointError, ConfigError, TrainingDiverged, parse_overrides
-from ..experiments.reproduce import NINFORMER_DATASETS, ninformer_table1, table_rows
+from ..experiments.reproduce import NINFORMER_DATASETS, ninformer_jobs, ninformer_table1, table_rows
 from .common import CliError, positive_int, render_table
 
 NAME = 'reproduce'
@@ -42,6 +45,9 @@ def add_parser(subparsers) -> None:
     p.add_argument('--data-root', help='folder holding mnist/, cifar10/ (and cifar100/)')
     p.add_argument('--output', default='runs/ninformer-table1')
     p.add_argument('--md', action='store_true', help='print the table as Markdown')
+    p.add_argument('--jobs', type=positive_int, default=1,
+                   help='train this many runs at once, each in its own process (small models leave a GPU '
+                        'mostly idle: several runs share it well); logs go to OUTPUT/DATASET/MODEL.log')
     p.add_argument('--set', nargs='+', default=[], metavar='KEY=VALUE', dest='overrides',
                    help='extra config overrides for every run, e.g. --set log_interval=10 progress=log')
     p.set_defaults(run=run)
@@ -53,16 +59,22 @@ def run(args) -> int:
     if unknown:
         raise CliError(f'--datasets: unknown {", ".join(unknown)}; Table 1 has {", ".join(NINFORMER_DATASETS)}')
     t0 = time.perf_counter()
+    models = args.models.split(',') if args.models else None
+    if args.jobs > 1:
+        failed = _run_jobs(args, datasets, models)
+        if failed:
+            for log in failed:
+                print(f'vitblocks reproduce: run failed, see {log}', file=sys.stderr)
+            return 1
     try:
         runs = ninformer_table1(datasets, epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,
                                 test_subset=args.test_subset, device=args.device, data_root=args.data_root,
                                 output=args.output, dropout=args.dropout, threads=args.threads,
-                                models=args.models.split(',') if args.models else None,
+                                models=models,
                                 extra=parse_overrides(args.overrides))
     except (ConfigError, DataError, CheckpointError) as e:
         raise CliError(str(e)) from None
     except TrainingDiverged as e:
-        import sys
         print(f'vitblocks reproduce: stopped: {e}', file=sys.stderr)
         return 1
     headers, rows, align, notes = table_rows(runs)
@@ -83,3 +95,45 @@ def run(args) -> int:
     Path(args.output).mkdir(parents=True, exist_ok=True)
     (Path(args.output) / ('table.md' if args.md else 'table.txt')).write_text(text + '\n')
     return 0
+
+
+def _child_argv(args, dataset: str, model: str, threads: int):
+    argv = [sys.executable, '-m', 'vitblocks', 'reproduce', args.target, '--datasets', dataset, '--models', model,
+            '--dropout', str(args.dropout), '--device', args.device, '--output', args.output,
+            '--threads', str(args.threads or threads)]
+    for flag in ('epochs', 'max_steps', 'train_subset', 'test_subset', 'data_root'):
+        value = getattr(args, flag)
+        if value is not None:
+            argv += [f'--{flag.replace("_", "-")}', str(value)]
+    if args.overrides:
+        argv += ['--set', *args.overrides]
+    return argv
+
+
+def _run_jobs(args, datasets, models):
+    """Train every (dataset, model) run in its own ``vitblocks reproduce`` process, ``args.jobs`` at once;
+    returns the logs of the runs that failed. Finished runs are then reused by the caller's table pass."""
+    try:
+        jobs = ninformer_jobs(datasets, models)
+    except DataError as e:
+        raise CliError(str(e)) from None
+    threads = max(1, (os.cpu_count() or 1) // min(args.jobs, len(jobs)))
+    pending, running, failed = list(jobs), [], []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            dataset, model = pending.pop(0)
+            log = Path(args.output) / dataset / f'{model}.log'
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, 'w') as f:
+                proc = subprocess.Popen(_child_argv(args, dataset, model, threads), stdout=f,
+                                        stderr=subprocess.STDOUT)
+            running.append((proc, log))
+            print(f'started {dataset}/{model} (log {log})', flush=True)
+        time.sleep(1.0)
+        for proc, log in list(running):
+            if proc.poll() is not None:
+                running.remove((proc, log))
+                print(f'finished {log.parent.name}/{log.stem}: exit {proc.returncode}', flush=True)
+                if proc.returncode != 0:
+                    failed.append(log)
+    return failed

@@ -88,7 +88,7 @@ class TensorLoader:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         for step, idx in enumerate(self.order.batches(epoch, start), start):
-            idx = idx.to(self.images.device)
+            idx = idx.to(self.images.device, non_blocking=True)  # pageable -> staged at once, no stream sync
             x = self.images[idx].to(self.device, non_blocking=True)
             y = self.targets[idx].to(self.device, non_blocking=True)
             g = torch.Generator().manual_seed(derive_seed(self.order.seed, epoch, step, self.order.rank, 1))

@@ -72,7 +72,7 @@ class BatchTransform:
             x = F.interpolate(x, size=self.size, mode=self.interpolation, align_corners=False, antialias=True)
         if self.training and (self.hflip or self.vflip):
             b = x.shape[0]
-            flips = torch.rand(2, b, generator=generator).to(x.device)
+            flips = torch.rand(2, b, generator=generator).to(x.device, non_blocking=True)  # no stream sync
             if self.hflip:
                 x = torch.where((flips[0] < self.hflip).view(b, 1, 1, 1), x.flip(-1), x)
             if self.vflip:
@@ -86,7 +86,7 @@ class BatchTransform:
         b, c, h, w = x.shape
         p = self.crop_padding
         padded = F.pad(x, (p, p, p, p))  # (B, C, H + 2p, W + 2p), zeros
-        offsets = torch.randint(0, 2 * p + 1, (2, b), generator=generator).to(x.device)
+        offsets = torch.randint(0, 2 * p + 1, (2, b), generator=generator).to(x.device, non_blocking=True)
         rows = offsets[0].view(b, 1) + torch.arange(h, device=x.device)  # (B, H)
         cols = offsets[1].view(b, 1) + torch.arange(w, device=x.device)  # (B, W)
         batch = torch.arange(b, device=x.device).view(b, 1, 1)

@@ -19,7 +19,8 @@ RECIPE_DIR = Path(__file__).parent / 'recipes'
 
 # keys a resumed run may change without leaving the trajectory it was on (budgets, logging, where it runs)
 RESUME_CHANGEABLE = frozenset({'epochs', 'max_steps', 'workers', 'threads', 'progress', 'log_interval',
-                               'checkpoint_interval', 'eval_interval', 'tensorboard', 'device'})
+                               'checkpoint_interval', 'eval_interval', 'tensorboard', 'device',
+                               'compile', 'compile_mode'})
 
 
 class ConfigError(ValueError):
@@ -91,6 +92,7 @@ class TrainConfig:
     amp: bool = True                # autocast on CUDA (ignored on CPU)
     amp_dtype: str = 'bfloat16'     # or 'float16' (uses a GradScaler)
     compile: bool = False           # torch.compile the model
+    compile_mode: str = 'default'   # torch.compile mode; 'reduce-overhead' (CUDA graphs) suits small models on a GPU
     threads: Optional[int] = None   # torch intra-op threads (default: torch's; 1 is fastest on a busy CPU)
     seed: int = 0
     deterministic: bool = True      # torch.use_deterministic_algorithms (warn only)
@@ -114,7 +116,8 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_CHOICES = {'pipeline': ('auto', 'tensor', 'pil'), 'progress': ('auto', 'bar', 'log', 'none'),
+_CHOICES = {'compile_mode': ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'),
+            'pipeline': ('auto', 'tensor', 'pil'), 'progress': ('auto', 'bar', 'log', 'none'),
             'amp_dtype': ('bfloat16', 'float16'), 'clip_mode': ('norm', 'value', 'agc'),
             'mixup_mode': ('batch', 'pair', 'elem')}
 _POSITIVE = ('epochs', 'batch_size', 'log_interval', 'eval_interval', 'lr_base_size')

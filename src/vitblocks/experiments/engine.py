@@ -133,7 +133,7 @@ class Trainer:
             ids = [self.device.index] if self.device.type == 'cuda' else None
             self.forward_model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         if cfg.compile:
-            self.forward_model = torch.compile(self.forward_model)
+            self.forward_model = torch.compile(self.forward_model, mode=cfg.compile_mode)
 
         # position and history
         self.epoch, self.epoch_step, self.global_step = 0, 0, 0
