@@ -10,21 +10,9 @@ from torch import nn
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.deploy import reparameterize
 from vitblocks.layers import IFFN, ConcatArbitraryActivations
+from _helpers import perturb_
 
 RTOL = 1e-5  # relative error allowed between training form (eval) and deploy form, fp32
-
-
-def _randomize(module: nn.Module):
-    """Move parameters, BatchNorm statistics and AGeLU coefficients away from their identity-like
-    defaults (default BN and AGeLU are identities and would hide folding bugs, cf. RepVGG verify)."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-        for m in module.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.normal_(0, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
-    return module
 
 
 def _reset_bn_and_agelu(module: nn.Module):
@@ -42,7 +30,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _check_deploy(module: nn.Module, x: torch.Tensor, deploy=lambda m: m.fuse()):
     """Randomize, check the randomization matters, deploy and compare in inference mode."""
-    module = _randomize(module).eval()
+    module = perturb_(module, std=0.2, batchnorm=True).eval()
     plain = copy.deepcopy(module)
     _reset_bn_and_agelu(plain)
     with torch.inference_mode():
@@ -73,7 +61,7 @@ def test_fuse_matches_training_form_channels_first_and_channels_last_maps():
 
 
 def test_batch_slices_give_the_same_numbers():
-    ffn = _randomize(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1)).eval()
+    ffn = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1), std=0.2, batchnorm=True).eval()
     deployed = ffn.fuse()
     x = torch.randn(5, 13, 16)
     with torch.inference_mode():
@@ -85,7 +73,7 @@ def test_batch_slices_give_the_same_numbers():
 
 
 def test_deploy_form_uses_reference_path_under_autograd():
-    ffn = _randomize(IFFN(16, 64, grid_size=(3, 4))).eval()
+    ffn = perturb_(IFFN(16, 64, grid_size=(3, 4)), std=0.2, batchnorm=True).eval()
     deployed = ffn.fuse()
     x = torch.randn(2, 12, 16, requires_grad=True)
     out = deployed(x)  # autograd on: readable path, no in-place ops on saved tensors
@@ -102,14 +90,14 @@ def test_deploy_form_errors_like_training_form():
 
 
 def test_fuse_is_idempotent_and_keeps_mode():
-    ffn = _randomize(IFFN(16, 64, grid_size=(3, 4)))
+    ffn = perturb_(IFFN(16, 64, grid_size=(3, 4)), std=0.2, batchnorm=True)
     fused = ffn.fuse()
     assert fused.training == ffn.training and fused.fuse() is fused
     assert isinstance(ffn.spatial.bn, nn.BatchNorm2d)  # the training form is left as it was
 
 
 def test_deploy_form_constructs_directly_and_loads_fused_state_dict():
-    ffn = _randomize(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2)).eval()
+    ffn = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2), std=0.2, batchnorm=True).eval()
     fused = ffn.fuse()
     built = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2, deploy=True).eval()
     built.load_state_dict(fused.state_dict())  # strict: same keys, same shapes
@@ -152,7 +140,7 @@ def test_parameter_counts_training_and_deploy_forms():
 
 
 def test_deploy_form_model_loads_fused_checkpoint_and_tracks_grid():
-    model = _randomize(_tiny_model(dynamic_img_size=True)).eval()
+    model = perturb_(_tiny_model(dynamic_img_size=True), std=0.2, batchnorm=True).eval()
     deployed = reparameterize(model)
     built = _tiny_model(dynamic_img_size=True, block_cfg={'deploy': True}).eval()
     built.load_state_dict(deployed.state_dict())

@@ -2,20 +2,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from vitblocks.layers import AGeLU, ArbitraryActivation, ConcatArbitraryActivations, IFFN, SumOfNonlinearities
-
-
-def _randomize(module: nn.Module):
-    """Move every parameter and BN statistic away from its (identity-like) default."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-        for m in module.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.normal_(0, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
+from _helpers import perturb_
 
 
 def test_agelu_at_init_equals_gelu():
@@ -26,7 +15,7 @@ def test_agelu_at_init_equals_gelu():
 @pytest.mark.parametrize('base,fn', [('softplus', F.softplus), ('elu', F.elu), ('silu', F.silu), ('relu', F.relu)])
 def test_arbitrary_activation_formula(base, fn):
     act = ArbitraryActivation(8, base)
-    _randomize(act)
+    perturb_(act, std=0.2, batchnorm=True)
     x = torch.randn(3, 8)
     expected = act.beta * fn(act.alpha * x + act.gamma) + act.theta  # Eq. 3
     torch.testing.assert_close(act(x), expected)
@@ -34,7 +23,7 @@ def test_arbitrary_activation_formula(base, fn):
 
 def test_concatenated_activations_equal_separate_copies():
     cat = ConcatArbitraryActivations(6, num_functions=3)
-    _randomize(cat)
+    perturb_(cat, std=0.2, batchnorm=True)
     x = torch.randn(2, 5, 6)
     parts = []
     for i in range(3):
@@ -78,7 +67,7 @@ def test_parameter_count_matches_structure(cfg):
 def test_prefix_tokens_bypass_spatial_part():
     torch.manual_seed(1)
     ffn = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2).eval()
-    _randomize(ffn)
+    perturb_(ffn, std=0.2, batchnorm=True)
     no_spatial = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2, spatial_part=False).eval()
     no_spatial.load_state_dict({k: v for k, v in ffn.state_dict().items() if not k.startswith('spatial')})
     x = torch.randn(2, 2 + 12, 16)
@@ -93,7 +82,7 @@ def test_prefix_tokens_bypass_spatial_part():
 def test_spatial_part_sees_the_grid_not_the_sequence():
     """A token's output depends on its 2-D neighbours: the token below it (index + W) matters."""
     ffn = IFFN(8, 32, grid_size=(3, 5)).eval()
-    _randomize(ffn)
+    perturb_(ffn, std=0.2, batchnorm=True)
     x = torch.randn(1, 15, 8)
     x2 = x.clone()
     x2[0, 7] += 1.0  # grid position (1, 2)
@@ -104,7 +93,7 @@ def test_spatial_part_sees_the_grid_not_the_sequence():
 
 def test_token_and_channels_first_layouts_agree():
     tok = IFFN(16, 64, grid_size=(4, 6)).eval()
-    _randomize(tok)
+    perturb_(tok, std=0.2, batchnorm=True)
     cf = IFFN(16, 64, channels_first=True).eval()
     state = {k: (v.reshape(*v.shape, 1, 1) if k in ('fc1.weight', 'fc2.weight') else v)
              for k, v in tok.state_dict().items()}
@@ -127,7 +116,7 @@ def test_bad_configs_raise_specific_errors():
 
 def test_sum_of_nonlinearities_is_channelwise():
     m = SumOfNonlinearities(8, 32)
-    _randomize(m)
+    perturb_(m, std=0.2, batchnorm=True)
     x = torch.randn(2, 5, 8)
     x2 = x.clone()
     x2[..., 3] += 1

@@ -13,16 +13,9 @@ from vitblocks.models import add_pre_logits, get_variant, make_parallel, swap_va
 from vitblocks.models.mabvit import MABVIT_ARCHS, MABVIT_VARIANTS, PreLogitsVisionTransformer
 from vitblocks.papers import load_paper
 from vitblocks.profile import count_params
+from _helpers import perturb_
 
 MABVIT = load_paper('mabvit')
-
-
-def _randomize(module: nn.Module):
-    """Move every parameter (norm affines included) away from its default."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return module
 
 
 # --- value-activation attention ------------------------------------------------------------------
@@ -31,7 +24,7 @@ def _randomize(module: nn.Module):
 @pytest.mark.parametrize('kwargs', [dict(qkv_bias=True), dict(qkv_bias=False, proj_bias=False),
                                     dict(qkv_bias=True, qk_norm=True, norm_layer=LayerNorm)])
 def test_identity_value_attention_is_timm_attention_exactly(fused, kwargs):
-    timm_attn = _randomize(Attention(64, num_heads=4, **kwargs)).eval()
+    timm_attn = perturb_(Attention(64, num_heads=4, **kwargs), std=0.1).eval()
     ours = ValueActivationAttention(64, num_heads=4, value_act=None, **kwargs).eval()
     ours.load_state_dict(timm_attn.state_dict())  # same module names and shapes
     timm_attn.fused_attn = ours.fused_attn = fused
@@ -61,7 +54,7 @@ def _reference_attention(attn: ValueActivationAttention, x: torch.Tensor, value_
     ('gelu', F.gelu),
 ])
 def test_value_activation_formula(value_act, value_fn):
-    attn = _randomize(ValueActivationAttention(48, num_heads=3, qkv_bias=True, value_act=value_act)).eval()
+    attn = perturb_(ValueActivationAttention(48, num_heads=3, qkv_bias=True, value_act=value_act), std=0.1).eval()
     x = torch.randn(2, 9, 48)
     torch.testing.assert_close(attn(x), _reference_attention(attn, x, value_fn), rtol=1e-5, atol=1e-5)
     attn.fused_attn = False
@@ -86,7 +79,7 @@ def test_unknown_value_activation_is_rejected():
 # --- parallel block ------------------------------------------------------------------------------
 
 def test_parallel_block_matches_its_formula_and_loads_block_weights():
-    block = _randomize(Block(32, num_heads=4, mlp_ratio=2, qkv_bias=True, init_values=0.5))
+    block = perturb_(Block(32, num_heads=4, mlp_ratio=2, qkv_bias=True, init_values=0.5), std=0.1)
     par = ParallelBlock(32, num_heads=4, mlp_ratio=2, qkv_bias=True, init_values=0.5)
     par.load_state_dict(block.state_dict())  # same modules as timm's Block
     par.eval()
@@ -97,7 +90,7 @@ def test_parallel_block_matches_its_formula_and_loads_block_weights():
 
 
 def test_parallel_block_shared_norm():
-    par = _randomize(ParallelBlock(32, num_heads=4, shared_norm=True)).eval()
+    par = perturb_(ParallelBlock(32, num_heads=4, shared_norm=True), std=0.1).eval()
     assert isinstance(par.norm2, nn.Identity)
     x = torch.randn(2, 7, 32)
     y = par.norm1(x)

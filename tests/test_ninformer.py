@@ -13,19 +13,13 @@ from vitblocks.layers import LocalityFFN, MixerGatingUnit
 from vitblocks.models import get_variant, swap_ffn
 from vitblocks.papers import load_paper
 from vitblocks.profile import count_params
-
-
-def _randomize(module: nn.Module):
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return module
+from _helpers import perturb_
 
 
 # --- gating unit ---------------------------------------------------------------------------------
 
 def test_gating_unit_is_linear_times_mixer_with_no_gate_activation():
-    unit = _randomize(MixerGatingUnit(32, num_tokens=9, token_mlp_dim=16, channel_mlp_dim=64)).eval()
+    unit = perturb_(MixerGatingUnit(32, num_tokens=9, token_mlp_dim=16, channel_mlp_dim=64), std=0.1).eval()
     x = torch.randn(2, 9, 32)
     mx = unit.mixer
     gate = x + mx.mlp_tokens(mx.norm1(x).transpose(1, 2)).transpose(1, 2)  # token mixing (B, C, N) MLP
@@ -40,7 +34,7 @@ def test_gating_unit_is_linear_times_mixer_with_no_gate_activation():
 
 
 def test_gating_unit_layouts():
-    unit = _randomize(MixerGatingUnit(16, num_tokens=12)).eval()
+    unit = perturb_(MixerGatingUnit(16, num_tokens=12), std=0.1).eval()
     tokens = torch.randn(2, 12, 16)  # (B, N, C), N = 3 x 4
     out = unit(tokens)
     assert out.shape == tokens.shape
@@ -71,7 +65,7 @@ def test_gating_unit_in_metaformer_blocks():
 # --- LocalViT baseline FFN -----------------------------------------------------------------------
 
 def test_locality_ffn_structure_and_prefix_tokens():
-    ffn = _randomize(LocalityFFN(8, 16, grid_size=(3, 3), num_prefix_tokens=1)).eval()
+    ffn = perturb_(LocalityFFN(8, 16, grid_size=(3, 3), num_prefix_tokens=1), std=0.1).eval()
     assert ffn.conv.groups == 16 and ffn.conv.kernel_size == (3, 3)
     x = torch.randn(2, 10, 8)
     out = ffn(x)

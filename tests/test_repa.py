@@ -20,6 +20,7 @@ import vitblocks
 from vitblocks.layers import RePaDeployedFFN, RePaFFN, TokenBatchNorm, active_channels
 from vitblocks.models import get_variant, swap_residual_ffn
 from vitblocks.profile import count_macs, count_params
+from _helpers import randomize_batchnorm_
 
 REPA_MODELS = vitblocks.list_models(method='repa')
 
@@ -59,12 +60,8 @@ def _small(name, **block_cfg):
 @torch.no_grad()
 def _randomize(model):
     """Random BN running stats + affine params, layer-scales and residual scales (in place)."""
+    randomize_batchnorm_(model)
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.running_mean.normal_(0., 1.)
-            m.running_var.uniform_(0.3, 3.)
-            m.weight.normal_(1., 0.5)
-            m.bias.normal_(0., 0.5)
         if isinstance(m, RePaFFN):
             if m.layer_scale is not None:
                 m.layer_scale.normal_(0., 1.)

@@ -11,7 +11,6 @@ import pytest
 import timm
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
 import vitblocks  # noqa: F401  (registers the repa_* models)
 from vitblocks.cli import main
@@ -20,6 +19,7 @@ from vitblocks.deploy import io as deploy_io
 from vitblocks.deploy.export import check_export, export_onnx, export_torchscript
 from vitblocks.deploy.io import FORMAT, DeployedCheckpointError, load_deployed, read_deployed_metadata, save_deployed
 from vitblocks.layers import RePaDeployedFFN, RePaFFN
+from _helpers import randomize_batchnorm_
 
 # torch.jit.trace/save/load and the TorchScript-based ONNX exporter are deprecated in torch 2.x; tested on purpose
 pytestmark = [pytest.mark.filterwarnings('ignore:`torch.jit.*` is deprecated:FutureWarning'),
@@ -43,12 +43,8 @@ def _trained(name, **block_cfg):
     """A training-form model with random BN statistics / affine params and layer-scales, in eval mode."""
     kwargs, size = SMALL[name]
     model = timm.create_model(name, block_cfg=block_cfg or None, **kwargs).eval()
+    randomize_batchnorm_(model)
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.running_mean.normal_(0., 1.)
-            m.running_var.uniform_(0.3, 3.)
-            m.weight.normal_(1., 0.5)
-            m.bias.normal_(0., 0.5)
         if isinstance(m, RePaFFN) and m.layer_scale is not None:
             m.layer_scale.normal_(0., 1.)
     return model, size

@@ -197,8 +197,7 @@ class AFBO(nn.Module):
         out_features = out_features or in_features
         hidden_features = hidden_features or 4 * in_features
         self.in_features, self.hidden_features, self.out_features = in_features, hidden_features, out_features
-        self.layout = layout if layout is not None else TokenLayout(
-            tuple(grid_size) if grid_size is not None else None, num_prefix_tokens, channels_first)
+        self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
         self.variant, self.order, self.kernel_size = variant, order, kernel_size
         self.spatial_kind = None if order == 'cm' else spatial
         self.act_position, self.act_branch = act_position, act_branch

@@ -124,8 +124,7 @@ class ConvGLU(nn.Module):
         out_features = out_features or in_features
         hidden = int(2 * (hidden_features or 4 * in_features) / 3)
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
-        self.layout = layout if layout is not None else TokenLayout(
-            tuple(grid_size) if grid_size is not None else None, num_prefix_tokens, channels_first)
+        self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
         self.hidden_features = hidden
         self.fc1 = nn.Linear(in_features, 2 * hidden, bias=bias[0], **dd)
         self.dwconv = nn.Conv2d(hidden, hidden, kernel_size, padding=kernel_size // 2, groups=hidden, **dd)
@@ -194,8 +193,7 @@ class LocalViTFFN(nn.Module):
         hidden = hidden_features or 4 * in_features
         act = _act_class(act_layer)
         drop_probs = to_2tuple(drop)
-        self.layout = layout if layout is not None else TokenLayout(
-            tuple(grid_size) if grid_size is not None else None, num_prefix_tokens, channels_first)
+        self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
         self.fc1 = nn.Linear(in_features, hidden, bias=False, **dd)
         self.bn1 = _ChannelBatchNorm(hidden, **dd)
         self.act1 = act()

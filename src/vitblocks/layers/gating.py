@@ -167,8 +167,7 @@ class LocalityFFN(nn.Module):
             raise ValueError(f'kernel_size must be a positive odd number (same padding), got {kernel_size}')
         out_features = out_features or in_features
         hidden_features = hidden_features or 4 * in_features
-        self.layout = layout if layout is not None else TokenLayout(
-            tuple(grid_size) if grid_size is not None else None, num_prefix_tokens, channels_first)
+        self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
         act_layer = get_act_layer(act_layer)
         if self.layout.channels_first:

@@ -178,14 +178,14 @@ class IFFN(nn.Module):
         self.deploy = deploy
         out_features = out_features or in_features
         hidden_features = hidden_features or 4 * in_features
-        self.layout = layout if layout is not None else TokenLayout(
-            tuple(grid_size) if grid_size is not None else None, num_prefix_tokens, channels_first)
+        self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
         cf = self.layout.channels_first
         if norm_layer is None:
             norm_layer = LayerNorm2d if cf else LayerNorm
         base = get_base_activation(act_layer)
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
-        linear = (lambda i, o, b: nn.Conv2d(i, o, 1, bias=b, **dd)) if cf else (lambda i, o, b: nn.Linear(i, o, b, **dd))
+        def linear(i, o, b):  # a token-wise linear layer in the input's layout
+            return nn.Conv2d(i, o, 1, bias=b, **dd) if cf else nn.Linear(i, o, b, **dd)
 
         if channel_part and hidden_features % num_functions:
             raise ValueError(f'hidden_features={hidden_features} is not divisible by num_functions={num_functions}; '

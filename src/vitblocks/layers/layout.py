@@ -12,7 +12,7 @@ grid ``(H, W)`` and how many prefix tokens to leave alone. That knowledge lives 
 up to date when the input resolution changes. The grid is never guessed from ``sqrt(N)``.
 """
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -36,6 +36,14 @@ class TokenLayout:
     grid_size: Optional[Tuple[int, int]] = None
     num_prefix_tokens: int = 0
     channels_first: bool = False
+
+    @classmethod
+    def resolve(cls, layout: Optional['TokenLayout'], grid_size: Optional[Sequence[int]] = None,
+                num_prefix_tokens: int = 0, channels_first: bool = False) -> 'TokenLayout':
+        """``layout`` when given (a shared instance), else a new one from the layer's own arguments."""
+        if layout is not None:
+            return layout
+        return cls(tuple(grid_size) if grid_size is not None else None, num_prefix_tokens, channels_first)
 
 
 def check_grid(layout: TokenLayout, num_tokens: int, owner: str = 'layer') -> Tuple[int, int]:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Which training setting runs the NiNformer-paper models fastest on the GPU? 2 epochs each, alone.
+# Which training setting runs the NiNformer-paper models fastest on a GPU? 2 epochs each, alone,
+# NiNformer on CIFAR-10 (data under .gpu_data/cifar10). Results: docs/training.md, "The full protocol".
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 v() {  # name, extra overrides
   name=$1; shift
