@@ -88,7 +88,7 @@ def test_locality_ffn_swaps_into_vit():
 NIN_MODELS = vitblocks.list_models(method='ninformer')
 EXPECTED_PARAMS = {  # hand-derived in the module docstring of vitblocks.models.ninformer
     'ninformer_vit_patch4_32': 2_652_170, 'ninformer_vit_patch4_28': 2_582_478,
-    'ninformer_baseline_vit_patch4_32': 2_123_530, 'ninformer_baseline_vit_patch4_28': 2_115_338,
+    'ninformer_baseline_vit_patch4_32': 2_139_914, 'ninformer_baseline_vit_patch4_28': 2_127_882,
     'ninformer_baseline_mixer_patch4_32': 1_335_306, 'ninformer_baseline_mixer_patch4_28': 1_265_614,
     'ninformer_baseline_localvit_patch4_32': 2_144_010, 'ninformer_baseline_localvit_patch4_28': 2_135_818,
 }
@@ -107,11 +107,37 @@ def test_param_counts_and_documentation(name):
     c, h, w = model.pretrained_cfg['input_size']
     assert (c, h, w) == ((3, 32, 32) if name.endswith('_32') else (1, 28, 28))
     assert model.patch_embed.proj.kernel_size == (4, 4) and model.embed_dim == 256 and len(model.blocks) == 4
-    # the shared skeleton: no class token, no position embedding, no final norm, average pooling
-    assert model.cls_token is None and model.pos_embed is None and model.global_pool == 'avg'
+    # the shared skeleton: no class token, no final norm, average pooling; a position embedding for ViT only
+    assert model.cls_token is None and model.global_pool == 'avg'
+    assert (model.pos_embed is not None) == ('baseline_vit' in name)
     assert isinstance(model.norm, nn.Identity) and isinstance(model.fc_norm, nn.Identity)
     x = torch.randn(2, c, h, w)
     assert model(x).shape == (2, 10)
+
+
+def _shuffle_patches(x: torch.Tensor, patch: int = 4) -> torch.Tensor:
+    """The image with its patch x patch tiles in a random order."""
+    b, c, h, w = x.shape
+    tiles = x.unfold(2, patch, patch).unfold(3, patch, patch)  # (B, C, H/p, W/p, p, p)
+    gh, gw = tiles.shape[2:4]
+    tiles = tiles.reshape(b, c, gh * gw, patch, patch)[:, :, torch.randperm(gh * gw)]  # shuffled tiles
+    tiles = tiles.reshape(b, c, gh, gw, patch, patch).permute(0, 1, 2, 4, 3, 5)  # (B, C, H/p, p, W/p, p)
+    return tiles.reshape(b, c, h, w)
+
+
+@pytest.mark.parametrize('name', [n for n in NIN_MODELS if n.endswith('_28')])
+def test_every_model_sees_where_a_patch_is(name):
+    """Shuffling the patches changes every model's output; the ViT without its position embedding
+    would be a bag of patches (attention + average pooling are permutation invariant)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 1, 28, 28)
+    xs = _shuffle_patches(x)
+    model = timm.create_model(name).eval()
+    with torch.no_grad():
+        assert not torch.allclose(model(x), model(xs), atol=1e-4)
+        if 'baseline_vit' in name:
+            bag = timm.create_model(name, pos_embed='none').eval()
+            torch.testing.assert_close(bag(x), bag(xs), atol=1e-5, rtol=1e-4)
 
 
 def test_ninformer_block_follows_the_authors_code():

@@ -153,6 +153,7 @@ class AFBO(nn.Module):
     # CPU each one can wait a scheduler time slice for its second thread. 0: never slice.
     # docs/afbo.md has the measurements.
     inference_chunk_bytes: int = 2 * 2 ** 20
+    inference_chunk_max_threads: int = 1  # slice only with at most this many intra-op threads
 
     def __init__(
             self,
@@ -337,7 +338,7 @@ class AFBO(nn.Module):
         out = rows.new_empty(B, N, self.out_features)
         hid = self.hidden_features
         per_image = N * hid * rows.element_size()
-        budget = self.inference_chunk_bytes if torch.get_num_threads() == 1 else 0
+        budget = self.inference_chunk_bytes if torch.get_num_threads() <= self.inference_chunk_max_threads else 0
         step = B if not budget else min(B, max(1, budget // per_image))
         w_left, w_right = self.left_map.bmm_weight(), self.right_map.bmm_weight()
         buf_left, buf_right = rows.new_empty(step * N, hid), rows.new_empty(step * N, hid)
