@@ -54,6 +54,9 @@ def parse_args(argv=None):
                    help='timed calls per FFN / channel map in parts 2 and 3 (default 20; 0 skips them)')
     p.add_argument('--chunk-bytes', type=int,
                    help=f'AFBO.inference_chunk_bytes (default {AFBO.inference_chunk_bytes}; 0 = whole batch at once)')
+    p.add_argument('--chunk-max-threads', type=int,
+                   help=f'AFBO.inference_chunk_max_threads: slice only with at most this many threads '
+                        f'(default {AFBO.inference_chunk_max_threads})')
     return p.parse_args(argv)
 
 
@@ -144,10 +147,13 @@ def main(argv=None):
     args = parse_args(argv)
     if args.chunk_bytes is not None:
         AFBO.inference_chunk_bytes = args.chunk_bytes
+    if args.chunk_max_threads is not None:
+        AFBO.inference_chunk_max_threads = args.chunk_max_threads
     load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan')
     print(f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {load:.1f}; '
           f'torch {torch.__version__}, {args.threads} thread(s), AFBO.inference_chunk_bytes '
-          f'{AFBO.inference_chunk_bytes}')
+          f'{AFBO.inference_chunk_bytes} per thread' + (f' up to {AFBO.inference_chunk_max_threads} thread(s)'
+                                              if AFBO.inference_chunk_max_threads else ''))
     torch.manual_seed(0)
     end_to_end(args)
     if args.layer_repeats:

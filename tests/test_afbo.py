@@ -190,11 +190,15 @@ def test_inference_path_matches_reference(cfg, layout_kind):
         whole = layer(x)  # the default slice budget holds the whole (tiny) batch
         layer.inference_chunk_bytes = 1  # one image per slice
         sliced = layer(x)
-        with fixed_threads(2):  # several threads: never sliced
+        with fixed_threads(2):  # two threads, still one image per slice
             threaded = layer(x)
+        layer.inference_chunk_max_threads = 1
+        with fixed_threads(2):  # above the thread limit: the whole batch at once
+            unsliced = layer(x)
     torch.testing.assert_close(whole, reference, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(sliced, reference, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(threaded, reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(unsliced, reference, rtol=1e-5, atol=1e-4)
 
 
 def test_channels_first_equals_tokens():

@@ -1,5 +1,6 @@
 """`vitblocks reproduce ninformer-table1`: train a paper's models with its recipe, print ours vs the paper."""
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -119,21 +120,30 @@ def _run_jobs(args, datasets, models):
         raise CliError(str(e)) from None
     threads = max(1, (os.cpu_count() or 1) // min(args.jobs, len(jobs)))
     pending, running, failed = list(jobs), [], []
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            dataset, model = pending.pop(0)
-            log = Path(args.output) / dataset / f'{model}.log'
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, 'w') as f:
-                proc = subprocess.Popen(_child_argv(args, dataset, model, threads), stdout=f,
-                                        stderr=subprocess.STDOUT)
-            running.append((proc, log))
-            print(f'started {dataset}/{model} (log {log})', flush=True)
-        time.sleep(1.0)
-        for proc, log in list(running):
-            if proc.poll() is not None:
-                running.remove((proc, log))
-                print(f'finished {log.parent.name}/{log.stem}: exit {proc.returncode}', flush=True)
-                if proc.returncode != 0:
-                    failed.append(log)
+    try:
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                dataset, model = pending.pop(0)
+                log = Path(args.output) / dataset / f'{model}.log'
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with open(log, 'a') as f:  # appended: a resumed run keeps the log of its first part
+                    proc = subprocess.Popen(_child_argv(args, dataset, model, threads), stdout=f,
+                                            stderr=subprocess.STDOUT)
+                running.append((proc, log))
+                print(f'started {dataset}/{model} (log {log})', flush=True)
+            time.sleep(1.0)
+            for proc, log in list(running):
+                if proc.poll() is not None:
+                    running.remove((proc, log))
+                    print(f'finished {log.parent.name}/{log.stem}: exit {proc.returncode}', flush=True)
+                    if proc.returncode != 0:
+                        failed.append(log)
+    finally:  # interrupted: stop the children too (each keeps its last checkpoint; re-running resumes)
+        for proc, _ in running:
+            proc.send_signal(signal.SIGINT)
+        for proc, _ in running:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     return failed
