@@ -7,3 +7,7 @@ from .registry import FFN_REGISTRY, create_ffn, list_ffns, register_ffn
 from .repa import RePaDeployedFFN, RePaFFN, TokenBatchNorm, active_channels, repa_ffn
 from .value_attention import GATED_VALUE_ACTIVATIONS, VALUE_ACTIVATIONS, ParallelBlock, ValueActivationAttention
 from .gating import LocalityFFN, MixerGatingUnit
+from .channel_maps import (DenseChannelMap, GroupedChannelMap, GroupedCrossChannelMap, OverlappedCycleChannelMap,
+                           create_channel_map)
+from .afbo import AFBO, SpatialAttention, afbo_full, scfbo_gc, scfbo_oc
+from .ffn_counterparts import ConvGLU, LocalViTFFN, glu, group_ffn, swiglu
