@@ -3,6 +3,8 @@ the fast inference path, surgery on every supported backbone, group-number error
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
+from timm.layers import Mlp
 from timm.models.gcvit import GlobalContextVit
 from timm.models.mlp_mixer import MlpMixer
 from torch import nn
@@ -12,7 +14,7 @@ from vitblocks.layers import TokenLayout
 from vitblocks.layers.afbo import AFBO, AFBO_VARIANTS, SPATIAL_OPS
 from vitblocks.layers.channel_maps import (DenseChannelMap, GroupedChannelMap, GroupedCrossChannelMap,
                                            OverlappedCycleChannelMap, map_cost)
-from vitblocks.layers.ffn_counterparts import ConvGLU, LocalViTFFN
+from vitblocks.layers.ffn_counterparts import ConvGLU, ConvNeXtFFN, LocalViTFFN
 from vitblocks.papers import load_paper
 from vitblocks.profile import count_macs, count_params, fixed_threads
 
@@ -298,8 +300,8 @@ def test_gcvit_feeds_channels_last_maps():
     assert seen == [torch.Size([1, 16, 16, 64])]  # (B, H, W, C): the map carries its own grid
 
 
-@pytest.mark.parametrize('ffn', ['glu', 'swiglu', 'group_ffn', 'conv_glu', 'localvit', 'scfbo_gc', 'scfbo_oc',
-                                 'afbo_full'])
+@pytest.mark.parametrize('ffn', ['glu', 'swiglu', 'group_ffn', 'conv_glu', 'convnext_block', 'localvit', 'scfbo_gc',
+                                 'scfbo_oc', 'afbo_full'])
 @pytest.mark.parametrize('name,build,hw', [(b[0], b[1], b[3]) for b in BACKBONES if b[0] in ('deit', 'poolformer',
                                                                                          'pvt_v2', 'gcvit')])
 def test_counterparts_swap_and_train(ffn, name, build, hw):
@@ -316,6 +318,21 @@ def test_counterpart_structures():
     conv_glu = ConvGLU(192, 768, grid_size=(2, 2))
     assert conv_glu.fc1.out_features == 1024 and conv_glu.dwconv.groups == 512  # TransNeXt: 2/3 of the width
     assert isinstance(LocalViTFFN(8, 32, grid_size=(2, 2)).spatial.conv, nn.Conv2d)
+
+
+def test_convnext_block_as_channel_mixer():
+    d, k = 16, 7
+    ffn = _randomize(ConvNeXtFFN(d, 4 * d, grid_size=(3, 4), num_prefix_tokens=1)).eval()
+    assert count_params(ffn) - count_params(Mlp(d, 4 * d)) == d * (k * k + 1) + 3 * d  # DWConv, LN, layer scale
+    assert ConvNeXtFFN(d).gamma.max().item() == pytest.approx(1e-6)  # ConvNeXt's layer-scale init
+    x = torch.randn(2, 1 + 12, d)
+    y = ffn(x)
+    # the formula, written out: prefix token without the conv, grid tokens through it
+    grid = F.conv2d(x[:, 1:].reshape(2, 3, 4, d).permute(0, 3, 1, 2), ffn.dwconv.weight, ffn.dwconv.bias,
+                    padding=3, groups=d).permute(0, 2, 3, 1).reshape(2, 12, d)  # (B, C, H, W) -> (B, HW, C)
+    h = torch.cat([x[:, :1], grid], dim=1)
+    expected = ffn.gamma * ffn.fc2(F.gelu(ffn.fc1(F.layer_norm(h, (d,), ffn.norm.weight, ffn.norm.bias, 1e-6))))
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
 # --- parameters and MACs ------------------------------------------------------------------------------

@@ -10,4 +10,4 @@ from .gating import LocalityFFN, MixerGatingUnit
 from .channel_maps import (DenseChannelMap, GroupedChannelMap, GroupedCrossChannelMap, OverlappedCycleChannelMap,
                            create_channel_map)
 from .afbo import AFBO, SpatialAttention, afbo_full, scfbo_gc, scfbo_oc
-from .ffn_counterparts import ConvGLU, LocalViTFFN, glu, group_ffn, swiglu
+from .ffn_counterparts import ConvGLU, ConvNeXtFFN, LocalViTFFN, glu, group_ffn, swiglu

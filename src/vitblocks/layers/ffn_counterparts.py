@@ -6,6 +6,7 @@
 | ``swiglu``      | SwiGLU (EVA-02), timm ``SwiGLU``, SiLU gate, width M*d        | Table 3                   |
 | ``group_ffn``   | two block-wise (Eq. 5) branches multiplied, no spatial op     | Table 1 Group FFN, 13     |
 | ``conv_glu``    | ConvGLU (TransNeXt): ``act(DWConv(x W_x)) * (x W_v)``         | Table 3                   |
+| ``convnext_block`` | ConvNeXt block: 7x7 DWConv, LayerNorm, MLP, layer scale    | Table 3                   |
 | ``localvit``    | LocalViT FFN: 1x1 conv-BN-act, kxk depthwise-BN-act, 1x1-BN   | (Sec. 2, related work)    |
 
 All follow timm's ``Mlp`` constructor vocabulary and accept ``layout=``; the ones with a
@@ -14,14 +15,14 @@ depthwise conv keep prefix tokens out of it, as AFBO does.
 from typing import Optional, Tuple, Type, Union
 
 import torch
-from timm.layers import GluMlp, SwiGLU, to_2tuple
+from timm.layers import GluMlp, LayerNorm, SwiGLU, to_2tuple
 from torch import nn
 
 from .afbo import AFBO
 from .layout import TokenLayout, apply_spatial
 from .registry import register_ffn
 
-__all__ = ['glu', 'swiglu', 'group_ffn', 'ConvGLU', 'LocalViTFFN']
+__all__ = ['glu', 'swiglu', 'group_ffn', 'ConvGLU', 'ConvNeXtFFN', 'LocalViTFFN']
 
 _ACTS = {'sigmoid': nn.Sigmoid, 'silu': nn.SiLU, 'swish': nn.SiLU, 'gelu': nn.GELU, 'relu': nn.ReLU,
          'hardswish': nn.Hardswish, 'relu6': nn.ReLU6}
@@ -146,6 +147,51 @@ class ConvGLU(nn.Module):
         h, v = h.chunk(2, dim=-1)  # (..., 2h) -> 2 x (..., h)
         h = self.act(_spatial_channels_last(self.dwconv, h, self.layout, 'ConvGLU')) * v
         y = self.drop2(self.fc2(self.norm(self.drop1(h))))
+        return y.permute(0, 3, 1, 2) if self.layout.channels_first else y  # (B, H, W, C) -> (B, C, H, W)
+
+
+@register_ffn('convnext_block')
+class ConvNeXtFFN(nn.Module):
+    """The ConvNeXt block (Liu et al., CVPR 2022) as a channel mixer, the "ConvNeXt Block" rows of
+    AFBO's Table 3: ``gamma * fc2(GELU(fc1(LN(DWConv_k(x)))))``.
+
+    k x k depthwise conv with bias (k = 7), LayerNorm, fc1 (d -> hidden, 4d), GELU, fc2 (hidden -> d),
+    a per-channel layer scale initialized to ``ls_init_value`` (1e-6, as ConvNeXt). The host block's
+    pre-norm and shortcut stay; the ConvNeXt block's own shortcut is not added a second time.
+    Prefix tokens skip the depthwise conv. Parameters over timm's ``Mlp``: ``d(k^2 + 1) + 3d``.
+    """
+
+    def __init__(self, in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
+                 act_layer: Union[str, Type[nn.Module]] = 'gelu', norm_layer: Optional[Type[nn.Module]] = None,
+                 bias: Union[bool, Tuple[bool, bool]] = True, drop: Union[float, Tuple[float, float]] = 0.,
+                 kernel_size: int = 7, ls_init_value: Optional[float] = 1e-6,
+                 grid_size: Optional[Tuple[int, int]] = None, num_prefix_tokens: int = 0, channels_first: bool = False,
+                 layout: Optional[TokenLayout] = None, device=None, dtype=None):
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        out_features = out_features or in_features
+        hidden = hidden_features or 4 * in_features
+        bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
+        self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
+        self.dwconv = nn.Conv2d(in_features, in_features, kernel_size, padding=kernel_size // 2, groups=in_features,
+                                **dd)
+        self.norm = (norm_layer or LayerNorm)(in_features, **dd)
+        self.fc1 = nn.Linear(in_features, hidden, bias=bias[0], **dd)
+        self.act = _act_class(act_layer)()
+        self.drop1 = nn.Dropout(drop_probs[0])
+        self.fc2 = nn.Linear(hidden, out_features, bias=bias[1], **dd)
+        self.gamma = nn.Parameter(torch.full((out_features,), ls_init_value, **dd)) if ls_init_value else None
+        self.drop2 = nn.Dropout(drop_probs[1])
+        for m in (self.fc1, self.fc2):
+            nn.init.trunc_normal_(m.weight, std=.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _spatial_channels_last(self.dwconv, _to_channels_last(x, self.layout, 'ConvNeXtFFN'), self.layout,
+                                   'ConvNeXtFFN')
+        y = self.fc2(self.drop1(self.act(self.fc1(self.norm(h)))))
+        y = self.drop2(y * self.gamma if self.gamma is not None else y)
         return y.permute(0, 3, 1, 2) if self.layout.channels_first else y  # (B, H, W, C) -> (B, C, H, W)
 
 
