@@ -19,12 +19,14 @@ examples:
   vitblocks reproduce ninformer-table1                                  # the paper's protocol: 100 epochs
   vitblocks reproduce ninformer-table1 --datasets mnist --max-steps 40 --test-subset 2000 --threads 2
   vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --epochs 1 --device cuda
+  vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --set compile=true compile_mode=reduce-overhead
 
 Datasets are looked up as <data root>/mnist, /cifar10, /cifar100 (--data-root, else the roots in
 $VITBLOCKS_DATA, else ./data). CIFAR-100 is not available here: its column stays empty unless
 a cifar100 folder exists. Accuracy is top-1 on the un-augmented test split (the authors' script
 evaluates with training augmentation). Runs go to --output/<dataset>/<model>; finished runs
-are reused and interrupted ones resumed, so re-running continues where it stopped.
+are reused and interrupted ones resumed, so re-running continues where it stopped. --jobs 8 trains
+all eight Table 1 runs at once (one GPU fits them; each logs to --output/<dataset>/<model>.log).
 """
 
 
@@ -70,8 +72,7 @@ def run(args) -> int:
     try:
         runs = ninformer_table1(datasets, epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,
                                 test_subset=args.test_subset, device=args.device, data_root=args.data_root,
-                                output=args.output, dropout=args.dropout, threads=args.threads,
-                                models=models,
+                                output=args.output, dropout=args.dropout, threads=args.threads, models=models,
                                 extra=parse_overrides(args.overrides))
     except (ConfigError, DataError, CheckpointError) as e:
         raise CliError(str(e)) from None
