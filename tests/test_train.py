@@ -4,6 +4,7 @@ Everything runs a one-block 16-wide ViT on 8x8 synthetic shards, one CPU thread:
 milliseconds per step, so the whole file takes well under a minute of CPU.
 """
 import csv
+import json
 import os
 import re
 import shutil
@@ -419,6 +420,11 @@ def test_reproduce_jobs_runs_each_model_in_its_own_process(tmp_path, capsys):
     assert code == 0, err
     assert (run_dir / 'results.json').stat().st_mtime_ns == stamp and not (run_dir / 'last.pth').exists()
     assert [l for l in out2.splitlines() if l.startswith('ViT')] == [l for l in out.splitlines() if l.startswith('ViT')]
+    # ... but not when the model that name builds has changed since (the config holds the name only)
+    res = json.loads((run_dir / 'results.json').read_text())
+    (run_dir / 'results.json').write_text(json.dumps(dict(res, params=res['params'] - 16384)))  # another model
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and 'definition changed' in err and '2,111,498-parameter' in err
 
 
 def test_reproduce_jobs_reports_a_failed_run(tmp_path, capsys):

@@ -60,6 +60,20 @@ def find_dataset(name: str, root: Optional[str]) -> Optional[Path]:
 _SAME_RESULT = RESUME_CHANGEABLE - {'epochs', 'max_steps'}
 
 
+def _check_same_model(cfg: TrainConfig, results: Dict, run_dir: Path) -> None:
+    """A finished run is only reused if the model it trained is still the one its name builds: the
+    config holds the name, not the definition, so compare parameter counts (built on the meta device)."""
+    import torch
+    from ..profile import count_params
+    from .setup import create_model
+    with torch.device('meta'):
+        params = count_params(create_model(cfg, len(results['classes'])))
+    if params != results['params']:
+        raise DataError(f'{run_dir} trained a {results["params"]:,}-parameter {cfg.model}, but that name now builds '
+                        f'{params:,} parameters (its definition changed since): remove the folder to train it '
+                        f'again, or use another --output')
+
+
 def _run_one(cfg: TrainConfig, run_dir: Path) -> Dict:
     """Reuse a finished run of this config (the results alone suffice: checkpoints may be gone), continue
     one that stopped or ran on a smaller budget (only ``RESUME_CHANGEABLE`` keys may differ), else start it."""
@@ -68,7 +82,9 @@ def _run_one(cfg: TrainConfig, run_dir: Path) -> Dict:
         done = load_config(run_dir / 'config.yaml').to_dict()
         changed = sorted(k for k, v in cfg.to_dict().items() if done.get(k) != v)
         if set(changed) <= _SAME_RESULT and results.exists():  # e.g. only --threads or --device differ
-            return json.loads(results.read_text())
+            done_results = json.loads(results.read_text())
+            _check_same_model(cfg, done_results, run_dir)
+            return done_results
         if last.exists():
             if set(changed) - RESUME_CHANGEABLE:
                 raise DataError(f'{run_dir} holds a run with another config ({", ".join(changed)} differ); '
