@@ -60,6 +60,20 @@ def test_fuse_matches_training_form_channels_first_and_channels_last_maps():
     _check_deploy(IFFN(16, 64, grid_size=(4, 5)), torch.randn(3, 4, 5, 16))  # (B, H, W, C) maps
 
 
+def test_batch_slice_size():
+    from vitblocks.layers.layout import batch_slice_size
+    assert batch_slice_size(10, 100, 250) == 2  # two samples fit the budget
+    assert batch_slice_size(10, 100, 50) == 1  # at least one sample per slice
+    assert batch_slice_size(2, 100, 250) is None and batch_slice_size(10, 100, 0) is None  # fits / no budget
+    seen = []
+
+    def traced(x):
+        seen.append(batch_slice_size(10, 100, 250))
+        return x * 2
+    torch.jit.trace(traced, torch.ones(1), check_trace=False)
+    assert seen == [None]  # a traced graph must not bake in a batch size
+
+
 def test_batch_slices_give_the_same_numbers():
     ffn = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1), std=0.2, batchnorm=True).eval()
     deployed = ffn.fuse()

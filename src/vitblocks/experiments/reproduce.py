@@ -15,10 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from ..data import DataError, data_roots
 from ..papers import load_paper
+from ..profile import count_params
 from .config import RESUME_CHANGEABLE, TrainConfig, load_config, load_recipe, merge
 from .engine import train
+from .setup import create_model
 
 __all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'ninformer_jobs', 'table_rows', 'find_dataset']
 
@@ -63,9 +67,6 @@ _SAME_RESULT = RESUME_CHANGEABLE - {'epochs', 'max_steps'}
 def _check_same_model(cfg: TrainConfig, results: Dict, run_dir: Path) -> None:
     """A finished run is only reused if the model it trained is still the one its name builds: the
     config holds the name, not the definition, so compare parameter counts (built on the meta device)."""
-    import torch
-    from ..profile import count_params
-    from .setup import create_model
     with torch.device('meta'):
         params = count_params(create_model(cfg, len(results['classes'])))
     if params != results['params']:

@@ -44,7 +44,7 @@ from timm.layers import to_2tuple
 from torch import nn
 
 from .channel_maps import create_channel_map
-from .layout import TokenLayout, apply_spatial, check_grid
+from .layout import TokenLayout, apply_spatial, batch_slice_size, check_grid
 from .registry import register_ffn
 
 __all__ = ['AFBO', 'SpatialAttention', 'create_spatial_op', 'AFBO_VARIANTS', 'SPATIAL_OPS', 'scfbo_gc', 'scfbo_oc',
@@ -316,7 +316,8 @@ class AFBO(nn.Module):
           the left branch's buffer, which fc2 reads (prefix tokens skip the convs, no concat).
         * The batch runs in slices of about ``inference_chunk_bytes`` per thread per Md-wide
           intermediate, with the slice buffers reused, so the intermediates of a slice stay in
-          cache and no call pays for fresh pages (1.08-1.17x DeiT-T instead of 1.44x on 2 threads).
+          cache and no call pays for fresh pages (1.08-1.17x DeiT-T instead of 1.44x on 2 threads);
+          not while ``torch.compile`` or tracing builds a graph (:func:`~vitblocks.layers.layout.batch_slice_size`).
         * Grouped weights (GCCM's pairs) are packed once per call, not once per slice.
         """
         cf = self.layout.channels_first
@@ -341,7 +342,7 @@ class AFBO(nn.Module):
         threads = torch.get_num_threads()
         limit = self.inference_chunk_max_threads
         budget = self.inference_chunk_bytes * threads if limit is None or threads <= limit else 0
-        step = B if not budget else min(B, max(1, budget // per_image))
+        step = batch_slice_size(B, per_image, budget) or B
         w_left, w_right = self.left_map.bmm_weight(), self.right_map.bmm_weight()
         buf_left, buf_right = rows.new_empty(step * N, hid), rows.new_empty(step * N, hid)
         w2, b2 = self.fc2.weight, self.fc2.bias

@@ -26,7 +26,7 @@ from timm.layers import LayerNorm, LayerNorm2d, to_2tuple
 from torch import nn
 
 from .activations import BASE_ACTIVATIONS, ConcatArbitraryActivations, get_base_activation
-from .layout import TokenLayout, apply_spatial, check_grid, split_tokens
+from .layout import TokenLayout, apply_spatial, batch_slice_size, check_grid, split_tokens
 from .registry import register_ffn
 
 __all__ = ['IFFN', 'DepthwiseBlock', 'SumOfNonlinearities']
@@ -301,14 +301,11 @@ class IFFN(nn.Module):
 
     def _slice_size(self, x: torch.Tensor) -> Optional[int]:
         """Samples per batch slice of the inference path, None for one slice (``inference_chunk_bytes``)."""
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():
-            return None  # compilers plan memory themselves; exports keep the batch size free
         chunk_bytes = self.inference_chunk_bytes
         if chunk_bytes is None:
             chunk_bytes = 8 * 2 ** 20 if torch.get_num_threads() == 1 else 0
         per_sample = math.prod(x.shape[1:-1]) * self.hidden_features * x.element_size()  # hidden bytes
-        step = max(1, chunk_bytes // per_sample)
-        return step if chunk_bytes and step < x.shape[0] else None
+        return batch_slice_size(x.shape[0], per_sample, chunk_bytes)
 
     def _hidden_inference(self, x: torch.Tensor) -> torch.Tensor:
         """fc1, activations, norm and spatial part of a channels-last slice ``(b, ..., C) -> (b, ..., C')``."""

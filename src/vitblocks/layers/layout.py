@@ -102,3 +102,14 @@ def apply_spatial(fn, x: torch.Tensor, layout: TokenLayout, owner: str = 'layer'
         raise ValueError(f'{owner} expects tokens (B, N, C) or a map, got shape {tuple(x.shape)}')
     prefix, fmap = split_tokens(x, layout, owner)
     return merge_tokens(prefix, fn(fmap))
+
+
+def batch_slice_size(batch: int, per_sample_bytes: int, budget_bytes: int) -> Optional[int]:
+    """Samples per slice of an inference path that runs the batch in slices whose wide intermediates
+    hold about ``budget_bytes``; ``None`` for the whole batch at once: no budget, a batch that fits,
+    or while ``torch.compile`` / tracing builds a graph (compilers plan memory themselves, and an
+    export must keep the batch size free)."""
+    if not budget_bytes or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None
+    step = max(1, budget_bytes // per_sample_bytes)
+    return step if step < batch else None
