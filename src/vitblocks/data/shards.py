@@ -6,9 +6,11 @@ the first dot of its base name): ``<key>.jpg|jpeg|png|webp|bmp|ppm`` holds the i
 (class names, per-split sample counts per shard) or ``classes.txt``; both are checked.
 
 Small datasets (MNIST, CIFAR) are decoded once into one ``(N, C, H, W)`` uint8 tensor and
-cached in this process, since decoding every JPEG/PNG every epoch dominates a CPU run. Large
-uncompressed ``.tar`` shards are indexed instead and read member by member (random access);
-a large ``.tar.gz`` cannot be read that way (gzip has no random access), so we say so.
+cached in this process, since decoding every JPEG/PNG every epoch dominates a CPU run (small
+sets of images of several sizes are kept decoded as one array per image). Large uncompressed
+``.tar`` shards are indexed instead (the index cached on disk once per node) and read member by
+member through a bounded set of open files (``shard_index``); a large ``.tar.gz`` cannot be read
+that way (gzip has no random access), so we say so.
 """
 import glob
 import io
@@ -19,13 +21,14 @@ import tarfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from .base import DataError, ImageDataset, array_to_pil, to_pil
+from .shard_index import MAX_OPEN_SHARDS, OpenShards, cached_index
 
 __all__ = ['ShardDataset', 'find_shards', 'is_shard_path', 'SHARD_SUFFIXES']
 
@@ -193,13 +196,11 @@ def _read_shard(shard: Path) -> Tuple[List[np.ndarray], List[int], List[str]]:
     return images, labels, keys
 
 
-def _stack(images: List[np.ndarray], source: str) -> torch.Tensor:
+def _stack(images: List[np.ndarray]) -> Optional[torch.Tensor]:
+    """One ``(N, C, H, W)`` uint8 tensor, or None when the images differ in size (kept as arrays)."""
     channels = 3 if any(a.ndim == 3 for a in images) else 1
-    sizes = {a.shape[:2] for a in images}
-    if len(sizes) > 1:
-        raise DataError(f'{source}: images of {len(sizes)} different sizes (e.g. {sorted(sizes)[:3]}) cannot be '
-                        f'held as '
-                        f'one tensor; store them uncompressed (.tar) so they are read one by one')
+    if len({a.shape[:2] for a in images}) > 1:
+        return None
     out = np.empty((len(images), *images[0].shape[:2], channels), dtype=np.uint8)
     for i, a in enumerate(images):
         out[i] = a[:, :, None] if a.ndim == 2 else a  # grayscale broadcasts to RGB when the set is mixed
@@ -214,12 +215,15 @@ class ShardDataset(ImageDataset):
         split: 'train', 'test', ... (ignored for a file or pattern).
         classes: class names; default from MANIFEST.json / classes.txt next to the shards, else
             ``0..max label``.
-        in_memory: decode everything once into a uint8 tensor (default: when the shards are
-            under ``MAX_CACHED_SHARD_BYTES``).
+        in_memory: decode everything once (default: when the shards are under
+            ``MAX_CACHED_SHARD_BYTES``): into one uint8 tensor, or a list of arrays when the images
+            differ in size. Otherwise uncompressed ``.tar`` shards are indexed (the index cached once
+            per node, see ``shard_index``) and read sample by sample.
+        max_open_shards: at most this many shard files open per process (index path).
     """
 
     def __init__(self, path: str, split: Optional[str] = 'train', classes: Optional[Sequence[str]] = None,
-                 in_memory: Optional[bool] = None):
+                 in_memory: Optional[bool] = None, max_open_shards: int = MAX_OPEN_SHARDS):
         self.shards = find_shards(str(path), split)
         folder = self.shards[0].parent
         found_classes, manifest = _read_manifest(folder)
@@ -228,9 +232,13 @@ class ShardDataset(ImageDataset):
         total = sum(f.stat().st_size for f in self.shards)
         if in_memory is None:
             in_memory = total <= MAX_CACHED_SHARD_BYTES
+        self._index, self._arrays, self._open = None, None, OpenShards(max_open_shards)
         if in_memory:
-            self.images, self.targets, self._keys = self._load_cached()
-            self._index = None
+            decoded, self.targets, self._keys = self._load_cached()
+            if isinstance(decoded, torch.Tensor):
+                self.images = decoded
+            else:  # images of several sizes: kept one array each, read through the PIL pipeline
+                self.images, self._arrays = None, decoded
         else:
             self._index_members()
         self.classes = list(classes or found_classes or [str(i) for i in range(int(self.targets.max()) + 1)])
@@ -249,7 +257,7 @@ class ShardDataset(ImageDataset):
                 raise DataError(f'{self.shards[0].parent / sh["file"]}: missing (listed in MANIFEST.json for split '
                                 f'{split!r})')
 
-    def _load_cached(self) -> Tuple[torch.Tensor, torch.Tensor, List[Tuple[int, str]]]:
+    def _load_cached(self) -> Tuple[Union[torch.Tensor, List[np.ndarray]], torch.Tensor, List[Tuple[int, str]]]:
         key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.shards)
         if key in _MEMORY_CACHE:
             return _MEMORY_CACHE[key]
@@ -257,7 +265,9 @@ class ShardDataset(ImageDataset):
             parts = list(pool.map(_read_shard, self.shards))
         for shard, (imgs, _, _) in zip(self.shards, parts):
             self._check_count(shard, len(imgs))
-        images = _stack([a for imgs, _, _ in parts for a in imgs], self.source)
+        arrays = [a for imgs, _, _ in parts for a in imgs]
+        stacked = _stack(arrays)
+        images = stacked if stacked is not None else arrays
         targets = torch.tensor([c for _, labels, _ in parts for c in labels], dtype=torch.long)
         keys = [(i, k) for i, (_, _, ks) in enumerate(parts) for k in ks]
         if len(_MEMORY_CACHE) >= _MEMORY_CACHE_SLOTS:
@@ -276,19 +286,28 @@ class ShardDataset(ImageDataset):
         if gz:
             raise DataError(f'{gz[0]}: too large to decode in memory, and a gzip-compressed shard cannot be read '
                             f'sample by sample; decompress the shards (gunzip -k) and point to the .tar files')
-        index, labels = [], []
+        index = cached_index(self.shards, self._build_index)
+        counts = torch.bincount(index['shard'].long(), minlength=len(self.shards))
+        for shard, n in zip(self.shards, counts.tolist()):
+            self._check_count(shard, n)
+        self._index, self.targets, self.images = index, index['label'], None
+
+    def _build_index(self) -> Dict[str, Any]:
+        """Every sample's (shard, byte offset, size, member name) and label, from one walk of the headers."""
+        shard_ids, offsets, sizes, labels, names = [], [], [], [], []
         for i, shard in enumerate(self.shards):
             n = 0
             for _, (offset, size, name), label in _iter_samples(shard, decode=False):
-                index.append((i, offset, size, name))
+                shard_ids.append(i)
+                offsets.append(offset)
+                sizes.append(size)
                 labels.append(label)
+                names.append(name)
                 n += 1
             if not n:
                 raise DataError(f'{shard}: empty shard (no <key>.<image> + <key>.cls samples)')
-            self._check_count(shard, n)
-        self._index, self.targets, self.images = index, torch.tensor(labels, dtype=torch.long), None
-        self._files: Dict[int, object] = {}
-        self._pid = None
+        return {'shard': torch.tensor(shard_ids, dtype=torch.int32), 'offset': torch.tensor(offsets),
+                'size': torch.tensor(sizes), 'label': torch.tensor(labels, dtype=torch.long), 'names': names}
 
     def _check_labels(self) -> None:
         n = len(self.classes)
@@ -302,25 +321,15 @@ class ShardDataset(ImageDataset):
 
     def _where(self, i: int) -> str:
         if self._index is not None:
-            shard, _, _, name = self._index[i]
-            return f'{self.shards[shard]}: member {name!r}'
+            return f'{self.shards[int(self._index["shard"][i])]}: member {self._index["names"][i]!r}'
         shard, key = self._keys[i]
         return f'{self.shards[shard]}: member {key + ".cls"!r}'
 
     def load(self, index: int) -> Image.Image:
         if self.images is not None:
             return to_pil(self.images[index])
-        shard, offset, size, name = self._index[index]
-        if self._pid != os.getpid():  # DataLoader workers: one set of open files per process
-            self._files, self._pid = {}, os.getpid()
-        f = self._files.get(shard)
-        if f is None:
-            f = self._files[shard] = open(self.shards[shard], 'rb')
-        f.seek(offset)
-        return array_to_pil(_decode(f.read(size), self.shards[shard], name))
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state['_files'] = {}
-        return state
-
+        if self._arrays is not None:
+            return array_to_pil(self._arrays[index])
+        shard = self.shards[int(self._index['shard'][index])]
+        data = self._open.read(shard, int(self._index['offset'][index]), int(self._index['size'][index]))
+        return array_to_pil(_decode(data, shard, self._index['names'][index]))

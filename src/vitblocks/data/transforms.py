@@ -152,21 +152,19 @@ def _interp(name: str):
 def dataset_mean_std(ds: ImageDataset, channels: int,
                      max_images: int = 10000) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
     """Per-channel mean and std of the images in [0, 1] (all of them when decoded in memory,
-    else an evenly spaced sample of ``max_images``)."""
+    else an evenly spaced sample of ``max_images``, summed one image at a time so memory stays
+    at one image whatever the set's size; images of several sizes weigh by their pixel count)."""
     if ds.images is not None:
-        images = ds.images
+        chunks = ds.images.split(4096)
     else:
-        step = max(1, math.ceil(len(ds) / max_images))
         from torchvision.transforms.functional import pil_to_tensor
-        images = [pil_to_tensor(ds.load(i).convert('L' if channels == 1 else 'RGB')) for i in range(0, len(ds), step)]
-        if len({tuple(t.shape) for t in images}) > 1:  # mixed sizes: pool pixels per channel
-            pixels = torch.cat([t.flatten(1).double() for t in images], 1) / 255
-            return tuple(pixels.mean(1).tolist()), tuple(pixels.std(1).tolist())
-        images = torch.stack(images)
+        step = max(1, math.ceil(len(ds) / max_images))
+        chunks = (pil_to_tensor(ds.load(i).convert('L' if channels == 1 else 'RGB'))[None]
+                  for i in range(0, len(ds), step))  # (1, C, H, W), one at a time
     total = torch.zeros(channels, dtype=torch.float64)
     total_sq = torch.zeros(channels, dtype=torch.float64)
     count = 0
-    for chunk in images.split(4096):
+    for chunk in chunks:
         x = match_channels(chunk, channels).double() / 255
         total += x.sum((0, 2, 3))
         total_sq += (x * x).sum((0, 2, 3))
