@@ -111,19 +111,35 @@ class _SeededSamples(Dataset):
         with torch.random.fork_rng(devices=[]):
             random.seed(seed)
             np.random.seed(seed & 0xFFFFFFFF)
-            torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed also seeds every accelerator (~10 ms)
+            torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed seeds every device (~10 ms)
             img = self.transform(self.dataset.load(index))
         random.setstate(py_state)
         np.random.set_state(np_state)
         return img, int(self.dataset.targets[index])
 
 
+class _EpochBatches:
+    """Batch sampler of a DataLoader kept for the whole run: set to an epoch's batches before each pass
+    (samplers run in the main process, so persistent workers see the new order)."""
+
+    def __init__(self):
+        self.batches: List[List[Tuple[int, int]]] = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 class PILLoader:
-    """timm's per-sample PIL transforms in a DataLoader (``workers`` processes)."""
+    """timm's per-sample PIL transforms in a DataLoader (``workers`` processes, started once and kept
+    across epochs: ``persistent_workers``)."""
 
     def __init__(self, dataset: ImageDataset, order: EpochOrder, transform: Callable, workers: int = 0,
                  device: torch.device = torch.device('cpu')):
         self.samples, self.order, self.workers, self.device = _SeededSamples(dataset, transform), order, workers, device
+        self._sampler, self._loader = _EpochBatches(), None
 
     def __len__(self) -> int:
         return self.order.batches_per_epoch
@@ -133,7 +149,10 @@ class PILLoader:
                    for idx in self.order.batches(epoch, start)]
         if not batches:
             return
-        loader = DataLoader(self.samples, batch_sampler=batches, num_workers=self.workers,
-                            pin_memory=self.device.type == 'cuda', generator=torch.Generator().manual_seed(0))
-        for x, y in loader:
+        self._sampler.batches = batches
+        if self._loader is None:
+            self._loader = DataLoader(self.samples, batch_sampler=self._sampler, num_workers=self.workers,
+                                      pin_memory=self.device.type == 'cuda', persistent_workers=self.workers > 0,
+                                      generator=torch.Generator().manual_seed(0))
+        for x, y in self._loader:
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

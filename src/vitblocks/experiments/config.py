@@ -20,7 +20,7 @@ RECIPE_DIR = Path(__file__).parent / 'recipes'
 # keys a resumed run may change without leaving the trajectory it was on (budgets, logging, where it runs)
 RESUME_CHANGEABLE = frozenset({'epochs', 'max_steps', 'workers', 'threads', 'progress', 'log_interval',
                                'checkpoint_interval', 'eval_interval', 'tensorboard', 'device',
-                               'compile', 'compile_mode'})
+                               'compile', 'compile_mode', 'resume', 'channels_last', 'grad_accum'})
 
 
 class ConfigError(ValueError):
@@ -106,6 +106,12 @@ class TrainConfig:
     tensorboard: bool = True        # if the tensorboard package is installed
     output: str = 'runs'            # parent folder of run folders
     name: Optional[str] = None      # run folder name; default <model>-<data>-<recipe>
+    # --- scale (several GPUs / nodes; see docs/training.md) ---
+    resume: Optional[str] = None    # 'auto': resume output/name if it holds last.pth, else start it
+    grad_accum: int = 1             # micro-batches per optimizer step; global batch = batch_size x processes x this
+    sync_bn: bool = False           # BatchNorm statistics over all processes (torch SyncBatchNorm; CUDA only)
+    dist_bn: str = 'reduce'         # without sync_bn: 'reduce' (average) or 'broadcast' BN stats before eval/save
+    channels_last: bool = False     # model and input batches in channels-last memory format
 
     @property
     def field_names(self) -> List[str]:
@@ -119,8 +125,9 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _CHOICES = {'compile_mode': ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'),
             'pipeline': ('auto', 'tensor', 'pil'), 'progress': ('auto', 'bar', 'log', 'none'),
             'amp_dtype': ('bfloat16', 'float16'), 'clip_mode': ('norm', 'value', 'agc'),
-            'mixup_mode': ('batch', 'pair', 'elem')}
-_POSITIVE = ('epochs', 'batch_size', 'log_interval', 'eval_interval', 'lr_base_size')
+            'mixup_mode': ('batch', 'pair', 'elem'),
+            'dist_bn': ('reduce', 'broadcast', 'none')}
+_POSITIVE = ('epochs', 'batch_size', 'log_interval', 'eval_interval', 'lr_base_size', 'grad_accum')
 
 
 def list_recipes() -> List[str]:
@@ -220,6 +227,9 @@ def _validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key}={v!r}: expected 'model', 'dataset' or a list of per-channel values")
     if cfg.input_size is not None and (len(cfg.input_size) != 3 or cfg.input_size[0] not in (1, 3)):
         raise ConfigError(f'input_size={cfg.input_size}: expected [C, H, W] with C = 1 or 3')
+    if cfg.resume not in (None, 'auto'):
+        raise ConfigError(f"resume={cfg.resume!r}: expected 'auto' (or null); to resume a given run use "
+                          f"vitblocks train --resume RUN")
     if not isinstance(cfg.model_kwargs, dict):
         raise ConfigError(f'model_kwargs must be a mapping, got {cfg.model_kwargs!r}')
 

@@ -29,8 +29,9 @@ from torch import nn
 from ..data import derive_seed
 from ..profile import count_params
 from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .config import ConfigError, TrainConfig, save_config
-from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, init_distributed
+from .config import RESUME_CHANGEABLE, ConfigError, TrainConfig, save_config
+from .distributed import (DistInfo, all_reduce_sum, barrier, broadcast_object, gather_object, init_distributed,
+                          raise_on_every_rank, sync_batchnorm_stats)
 from .evaluate import EvalResult, evaluate
 from .runlog import MetricsLog, Progress
 from .setup import create_model, make_loader, resolve_device, setup_data
@@ -67,6 +68,8 @@ def seed_everything(seed: int, deterministic: bool, device: torch.device) -> Non
             os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+    else:  # fastest cuDNN kernels for the run's fixed shapes, once bit-exact repeats are not asked for
+        torch.backends.cudnn.benchmark = True
 
 
 class Trainer:
@@ -83,18 +86,33 @@ class Trainer:
             self.device = torch.device('cuda', self.dist.local_rank)
         seed_everything(derive_seed(cfg.seed, self.dist.rank), cfg.deterministic, self.device)
 
-        ckpt = load_checkpoint(resume) if resume else None
+        if resume is None and cfg.resume == 'auto':
+            resume = self._auto_resume(run_dir)
+        ckpt = self._load_on_every_rank(resume)
         self.model = model if model is not None else create_model(cfg, cfg.num_classes or self._peek_classes())
         self.num_classes = _num_outputs(self.model, cfg)
         self.data = setup_data(cfg, self.model, self.num_classes)
         self.train_loader = make_loader(cfg, self.data, True, self.device, self.dist.rank, self.dist.world_size)
         self.val_loader = make_loader(cfg, self.data, False, self.device, self.dist.rank, self.dist.world_size)
-        self.steps_per_epoch = len(self.train_loader)
+        self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum  # optimizer steps
+        if not self.steps_per_epoch:
+            raise ConfigError(f'grad_accum={cfg.grad_accum} is more than the {len(self.train_loader)} batches of an '
+                              f'epoch; lower grad_accum or batch_size')
         total = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
 
         self.model.to(self.device)
-        self.global_batch = cfg.batch_size * self.dist.world_size
+        if cfg.sync_bn and self.dist.enabled:
+            if self.device.type != 'cuda':
+                raise ConfigError(f'sync_bn=true: torch\'s SyncBatchNorm runs on CUDA devices only, this run is on '
+                                  f'{self.device}; drop sync_bn (BatchNorm statistics are then averaged across '
+                                  f'processes before each evaluation and save, dist_bn=reduce)')
+            # every vitblocks BatchNorm converts (TokenBatchNorm wraps a BatchNorm1d on (M, C))
+            self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+        if cfg.channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        # the recipe's batch is the global batch: per-process micro-batch x processes x accumulation
+        self.global_batch = cfg.batch_size * self.dist.world_size * cfg.grad_accum
         self.lr = cfg.lr if cfg.lr is not None else cfg.lr_base * self.global_batch / cfg.lr_base_size
         opt_kwargs: Dict[str, Any] = {}
         if cfg.opt_eps is not None:
@@ -128,10 +146,10 @@ class Trainer:
         else:
             self.criterion = nn.CrossEntropyLoss()
 
-        self.forward_model = self.model
+        self.forward_model, self.ddp = self.model, None
         if self.dist.enabled:
             ids = [self.device.index] if self.device.type == 'cuda' else None
-            self.forward_model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            self.forward_model = self.ddp = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         if cfg.compile:
             self.forward_model = torch.compile(self.forward_model, mode=cfg.compile_mode)
 
@@ -150,6 +168,40 @@ class Trainer:
             self.progress.message(self.log.tb_note)
 
     # --- setup helpers -----------------------------------------------------------------------------
+    def _auto_resume(self, run_dir: Optional[Path]) -> Optional[Path]:
+        """``resume=auto``: this run's last.pth if every process sees it, None if none does (a new run)."""
+        path = Path(run_dir) if run_dir is not None else Path(self.cfg.output) / (self.cfg.name or
+                                                                               default_run_name(self.cfg))
+        last = path / 'last.pth'
+        seen = gather_object(last.is_file())
+        if all(seen):
+            return last
+        have = [r for r, found in enumerate(seen) if found]
+        error = None if last.is_file() or not have else (
+            f'resume=auto: {last} exists for rank(s) {have} but not here; put the run folder on a file system '
+            f'every node shares, or copy it to each node')
+        raise_on_every_rank(error, CheckpointError)
+        return None
+
+    def _load_on_every_rank(self, resume: Optional[Path]) -> Optional[Dict[str, Any]]:
+        """The checkpoint, or the same CheckpointError on every rank if any rank cannot read its copy."""
+        ckpt, error = None, None
+        if resume is not None:
+            try:
+                ckpt = load_checkpoint(resume)
+            except CheckpointError as e:
+                error = str(e)
+        raise_on_every_rank(error, CheckpointError)
+        if ckpt is not None and self.cfg.resume == 'auto':
+            old, new = ckpt.get('config', {}), self.cfg.to_dict()
+            changed = sorted(k for k in old if k in new and k not in RESUME_CHANGEABLE and old[k] != new[k])
+            if changed:
+                raise ConfigError(f'resume=auto: {resume} was trained with other settings of '
+                                  f'{", ".join(f"{k} ({old[k]!r} -> {new[k]!r})" for k in changed)}; only '
+                                  f'{", ".join(sorted(RESUME_CHANGEABLE))} may change on resume. Use another '
+                                  f'--name, or restore those values')
+        return ckpt
+
     def _peek_classes(self) -> int:
         from ..data import build_dataset
         return build_dataset(self.cfg.data, self.cfg.train_split).num_classes
@@ -183,8 +235,6 @@ class Trainer:
         try:
             self.model.load_state_dict(ckpt['model'])
             self.optimizer.load_state_dict(ckpt['optimizer'])
-            if self.scheduler is not None and ckpt.get('scheduler') is not None:
-                self.scheduler.load_state_dict(ckpt['scheduler'])
             if self.ema is not None:
                 self.ema.module.load_state_dict(ckpt['model_ema'])
             if self.scaler is not None and ckpt.get('scaler') is not None:
@@ -197,11 +247,25 @@ class Trainer:
         self.elapsed_before = ckpt.get('elapsed_s', 0.0)
         self._window = tuple(ckpt.get('log_window', (0.0, 0)))
         states = ckpt['rng']
-        if len(states) != self.dist.world_size:
-            raise CheckpointError(f'{path}: saved by {len(states)} process(es); resume it with as many '
-                                  f'(now {self.dist.world_size}) to continue exactly')
-        set_rng_state(states[self.dist.rank])
-        if self.log is not None:
+        saved_batch = ckpt.get('global_batch', self.global_batch)
+        if saved_batch != self.global_batch:
+            # another number of processes (or accumulation): keep the position in samples seen. Step b of
+            # an epoch covers positions [b*B, (b+1)*B) of the epoch's permutation whatever the world
+            # size (EpochOrder), so the new run starts at the first batch not yet (wholly) seen.
+            seen = self.epoch_step * saved_batch
+            self.epoch_step = seen // self.global_batch
+            self.global_step = self.epoch * self.steps_per_epoch + self.epoch_step
+            self._window = (0.0, 0)
+        if self.dist.rank < len(states):
+            set_rng_state(states[self.dist.rank])
+        else:  # a process the saved run did not have: a fresh seed of its own
+            seed_everything(derive_seed(self.cfg.seed, self.dist.rank, self.global_step), self.cfg.deterministic,
+                            self.device)
+        if self.scheduler is not None:
+            # the schedule comes from this run's config (a changed epochs count lengthens it); only its
+            # position is restored, so a resumed run does not finish the old, shorter schedule at min_lr
+            self.scheduler.step_update(num_updates=self.global_step)
+        if self.log is not None and saved_batch == self.global_batch:
             self.log.truncate_after(self.global_step)
 
     # --- checkpoints -------------------------------------------------------------------------------
@@ -215,7 +279,7 @@ class Trainer:
             'scheduler': self.scheduler.state_dict() if self.scheduler is not None else None,
             'model_ema': self.ema.module.state_dict() if self.ema is not None else None,
             'scaler': self.scaler.state_dict() if self.scaler is not None else None,
-            'rng': states, 'epoch': self.epoch, 'epoch_step': self.epoch_step, 'global_step': self.global_step,
+            'rng': states, 'global_batch': self.global_batch, 'epoch': self.epoch, 'epoch_step': self.epoch_step, 'global_step': self.global_step,
             'best_top1': self.best_top1, 'best_epoch': self.best_epoch, 'elapsed_s': self._elapsed(),
             'log_window': list(self._window),
             'config': self.cfg.to_dict(), 'num_classes': self.num_classes, 'classes': list(self.data.train.classes),
@@ -223,6 +287,8 @@ class Trainer:
         }
 
     def save(self, name: str = 'last.pth', state: Optional[Dict[str, Any]] = None) -> None:
+        if state is None:
+            sync_batchnorm_stats(self.model, 'none' if self.cfg.sync_bn else self.cfg.dist_bn)
         state = state or self._state()  # every rank takes part (RNG gather); rank 0 writes
         if self.dist.is_main:
             save_checkpoint(state, self.run_dir / name)
@@ -239,22 +305,37 @@ class Trainer:
                                 f'amp_dtype=bfloat16')
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One optimizer step; returns the (detached) loss."""
-        if self.mixup is not None:
-            x, y = self.mixup(x, y)
-        with self.autocast():
-            loss = self.criterion(self.forward_model(x), y)
-        # free on CPU: check before the update (one process; under DDP all ranks decide together, below)
-        if self.device.type == 'cpu' and not self.dist.enabled and not math.isfinite(loss.item()):
-            raise self._diverged(loss.item(), f'step {self.global_step + 1}')
+        """One optimizer step on one batch; returns the (detached) loss."""
+        return self.accumulate_step([(x, y)])
+
+    def accumulate_step(self, batches) -> torch.Tensor:
+        """One optimizer step on ``grad_accum`` micro-batches ``[(x, y), ...]``: their gradients are
+        averaged, as for one batch that holds them all; under DDP only the last backward all-reduces
+        (``no_sync`` before). Returns the mean (detached) loss."""
+        cfg, n = self.cfg, len(batches)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler(loss, self.optimizer, clip_grad=self.cfg.clip_grad, clip_mode=self.cfg.clip_mode,
-                        parameters=self.model.parameters())
-        else:
-            loss.backward()
-            if self.cfg.clip_grad is not None:
-                dispatch_clip_grad(self.model.parameters(), self.cfg.clip_grad, mode=self.cfg.clip_mode)
+        total = None
+        for i, (x, y) in enumerate(batches):
+            last = i == n - 1
+            with self.ddp.no_sync() if self.ddp is not None and not last else nullcontext():
+                if self.mixup is not None:
+                    x, y = self.mixup(x, y)
+                if cfg.channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with self.autocast():
+                    loss = self.criterion(self.forward_model(x), y)
+                # free on CPU: check before the update (one process; under DDP all ranks decide together, later)
+                if self.device.type == 'cpu' and not self.dist.enabled and not math.isfinite(loss.item()):
+                    raise self._diverged(loss.item(), f'step {self.global_step + 1}')
+                if self.scaler is not None:
+                    self.scaler(loss / n, self.optimizer, clip_grad=cfg.clip_grad, clip_mode=cfg.clip_mode,
+                                parameters=self.model.parameters(), need_update=last)
+                else:
+                    (loss / n).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if self.scaler is None:
+            if cfg.clip_grad is not None:
+                dispatch_clip_grad(self.model.parameters(), cfg.clip_grad, mode=cfg.clip_mode)
             self.optimizer.step()
         self.global_step += 1
         self.epoch_step += 1
@@ -262,7 +343,7 @@ class Trainer:
             self.ema.update(self.model, step=self.global_step)
         if self.scheduler is not None:
             self.scheduler.step_update(num_updates=self.global_step)
-        return loss.detach()
+        return total / n
 
     def fit(self) -> RunResult:
         cfg = self.cfg
@@ -291,10 +372,15 @@ class Trainer:
         # the loss average of the current log window survives a resume, so metric rows match too
         self._loss_sum = torch.tensor(self._window[0], device=self.device)
         self._loss_n = self._window[1]
-        for x, y in self.train_loader.epoch(self.epoch, self.epoch_step):
-            self.after_step(self.train_step(x, y))
-            if self.global_step >= self.total_steps:
-                break
+        accum, micro = cfg.grad_accum, []
+        for x, y in self.train_loader.epoch(self.epoch, self.epoch_step * accum):
+            micro.append((x, y))
+            if len(micro) < accum:
+                continue
+            self.after_step(self.accumulate_step(micro))
+            micro = []
+            if self.global_step >= self.total_steps or self.epoch_step == self.steps_per_epoch:
+                break  # the batches left over by accumulation are dropped, like an incomplete last batch
         self.progress.end_epoch()
         self._sync_window()
         done_epoch = self.epoch_step == self.steps_per_epoch
@@ -354,6 +440,7 @@ class Trainer:
         return self.global_step / self.steps_per_epoch
 
     def _evaluate(self):
+        sync_batchnorm_stats(self.model, 'none' if self.cfg.sync_bn else self.cfg.dist_bn)
         res = evaluate(self.model, self.val_loader, self.num_classes, self.device, autocast=self.autocast())
         res_ema = evaluate(self.ema.module, self.val_loader, self.num_classes, self.device, autocast=self.autocast()) \
             if self.ema is not None else None

@@ -19,6 +19,7 @@ from timm.layers import GluMlp, LayerNorm, SwiGLU, to_2tuple
 from torch import nn
 
 from .afbo import AFBO
+from .batchnorm import TokenBatchNorm
 from .layout import TokenLayout, apply_spatial
 from .registry import register_ffn
 
@@ -195,13 +196,6 @@ class ConvNeXtFFN(nn.Module):
         return y.permute(0, 3, 1, 2) if self.layout.channels_first else y  # (B, H, W, C) -> (B, C, H, W)
 
 
-class _ChannelBatchNorm(nn.BatchNorm1d):
-    """BatchNorm over the last (channel) dim of channels-last features of any rank."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.reshape(-1, x.shape[-1])).view(x.shape)  # (..., C) -> (T, C) -> back
-
-
 class _ConvBNAct(nn.Module):
     """k x k depthwise conv (no bias) + BatchNorm2d + activation on a ``(B, C, H, W)`` map."""
 
@@ -241,12 +235,12 @@ class LocalViTFFN(nn.Module):
         drop_probs = to_2tuple(drop)
         self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
         self.fc1 = nn.Linear(in_features, hidden, bias=False, **dd)
-        self.bn1 = _ChannelBatchNorm(hidden, **dd)
+        self.bn1 = TokenBatchNorm(hidden, **dd)
         self.act1 = act()
         self.spatial = _ConvBNAct(hidden, kernel_size, act, **dd)
         self.drop1 = nn.Dropout(drop_probs[0])
         self.fc2 = nn.Linear(hidden, out_features, bias=False, **dd)
-        self.bn2 = _ChannelBatchNorm(out_features, **dd)
+        self.bn2 = TokenBatchNorm(out_features, **dd)
         self.drop2 = nn.Dropout(drop_probs[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

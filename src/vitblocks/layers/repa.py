@@ -33,6 +33,7 @@ from timm.layers import DropPath, to_2tuple
 from torch import nn
 
 from .activations import _MODULE_ACTIVATIONS, get_base_activation
+from .batchnorm import TokenBatchNorm
 from .layout import TokenLayout
 
 __all__ = ['RePaFFN', 'RePaDeployedFFN', 'TokenBatchNorm', 'active_channels', 'check_idle_ratio', 'repa_ffn']
@@ -59,27 +60,6 @@ def _activation_module(act_layer) -> nn.Module:
         get_base_activation(act_layer)  # validates
         return act_layer()
     return _MODULE_ACTIVATIONS[get_base_activation(act_layer)]()
-
-
-class TokenBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over the last (channel) dim of a ``(..., C)`` tensor: tokens ``(B, N, C)`` or
-    channels-last maps ``(B, H, W, C)``; every token is a sample of the batch statistics.
-
-    Same parameters, buffers and update rule as ``nn.BatchNorm1d``; the forward calls
-    ``F.batch_norm`` itself (no ``super()``), which keeps the module TorchScript-compatible.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        use_batch_stats = self.training or self.running_mean is None
-        track = not self.training or self.track_running_stats
-        y = F.batch_norm(x.reshape(-1, x.shape[-1]),  # (..., C) -> (M, C)
-                         self.running_mean if track else None, self.running_var if track else None,
-                         self.weight, self.bias, use_batch_stats, factor, self.eps)
-        return y.view(x.shape)  # (M, C) -> (..., C)
 
 
 def _bn_scale_shift(bn: nn.Module, channels: int, dtype, device):

@@ -1,0 +1,208 @@
+"""Training at scale, rehearsed on this CPU: SyncBatchNorm conversion of vitblocks' BatchNorms,
+gradient accumulation, resume=auto, a longer schedule on resume, and (slow) 2-process gloo runs:
+BatchNorm statistics averaged across ranks, a 2 -> 1 process resume, a checkpoint missing on one
+rank, and a SIGKILLed rank restarted by torchrun."""
+import copy
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import vitblocks  # noqa: F401  (registers the models)
+from vitblocks.experiments import merge, train
+from vitblocks.experiments.checkpoint import CheckpointError, load_checkpoint
+from vitblocks.experiments.config import ConfigError
+
+from _train_helpers import TINY_VIT, tiny_dataset
+
+TINY_REPA = dict(img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    return tiny_dataset(tmp_path_factory.mktemp('scale_data'), n_train=64, n_test=16)
+
+
+def _cfg(data, out, **kw):
+    base = dict(model='vit_tiny_patch16_224', data=str(data), model_kwargs=TINY_VIT, batch_size=8, epochs=1,
+                lr=1e-3, sched='none', hflip=0.0, threads=1, progress='none', tensorboard=False, output=str(out),
+                name='run', log_interval=1)
+    return merge({**base, **kw})
+
+
+def _randomize_bn(model):
+    g = torch.Generator().manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g))
+            m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+            m.weight.data.copy_(torch.randn(m.weight.shape, generator=g))
+
+
+@pytest.mark.parametrize('convert', [nn.SyncBatchNorm.convert_sync_batchnorm, timm.layers.convert_sync_batchnorm],
+                         ids=['torch', 'timm'])
+@pytest.mark.parametrize('name,kwargs,shape', [
+    ('repa_deit_tiny_patch16_224', TINY_REPA, (4, 3, 8, 8)),            # TokenBatchNorm on (B, N, C) tokens
+    ('vit_tiny_patch16_224', TINY_VIT, (4, 3, 8, 8)),                  # + swap_ffn 'localvit': channel BatchNorm
+])
+def test_sync_batchnorm_converters_keep_every_vitblocks_batchnorm_right(convert, name, kwargs, shape):
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=4, **kwargs)
+    if name.startswith('vit_'):
+        assert vitblocks.swap_ffn(model, 'localvit') == 1
+    _randomize_bn(model)
+    n_bn = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    synced = convert(copy.deepcopy(model))
+    assert n_bn > 0 and sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules()) == n_bn
+    x = torch.randn(shape)
+    for training in (True, False):  # in one process a SyncBatchNorm is a BatchNorm: outputs and stats agree
+        model.train(training)
+        synced.train(training)
+        torch.testing.assert_close(synced(x), model(x))
+    for (k, a), (k2, b) in zip(model.state_dict().items(), synced.state_dict().items()):
+        assert k == k2
+        torch.testing.assert_close(a, b)
+
+
+def test_checkpoints_of_the_old_token_batchnorm_layout_load():
+    model = timm.create_model('repa_deit_tiny_patch16_224', num_classes=4, **TINY_REPA)
+    _randomize_bn(model)
+    old = {k.replace('.bn.', '.'): v for k, v in model.state_dict().items()}  # <name>.weight, not <name>.bn.weight
+    assert 'blocks.0.mlp.norm_in.running_var' in old
+    fresh = timm.create_model('repa_deit_tiny_patch16_224', num_classes=4, **TINY_REPA)
+    fresh.load_state_dict(old)
+    torch.testing.assert_close(fresh.blocks[0].mlp.norm_in.running_var, model.blocks[0].mlp.norm_in.running_var)
+
+
+def test_grad_accumulation_equals_the_large_batch(data, tmp_path):
+    # SGD: the update is the gradient itself (Adam would divide float rounding by tiny second moments)
+    large = train(_cfg(data, tmp_path / 'a', batch_size=8, opt='sgd', lr=0.1))
+    accum = train(_cfg(data, tmp_path / 'b', batch_size=4, grad_accum=2, opt='sgd', lr=0.1))
+    assert large.global_step == accum.global_step == 8
+    a, b = (load_checkpoint(r.run_dir / 'last.pth')['model'] for r in (large, accum))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match='grad_accum=9 is more than the 8 batches'):
+        train(_cfg(data, tmp_path / 'c', grad_accum=9))
+
+
+def _lrs(run_dir):
+    with open(run_dir / 'metrics.csv') as f:
+        return {int(r['step']): float(r['lr']) for r in csv.DictReader(f) if r['split'] == 'train'}
+
+
+def test_resume_with_more_epochs_follows_the_longer_schedule(data, tmp_path):
+    kw = dict(sched='cosine', min_lr=0.0, warmup_epochs=0)
+    first = train(_cfg(data, tmp_path, epochs=1, **kw))
+    resumed = train(_cfg(data, tmp_path, epochs=3, **kw), resume=first.run_dir)
+    straight = train(_cfg(data, tmp_path, epochs=3, name='straight', **kw))
+    assert resumed.global_step == straight.global_step == 24
+    got, want = _lrs(resumed.run_dir), _lrs(straight.run_dir)
+    assert want[12] > 1e-4  # mid-schedule: well above min_lr
+    for step in range(9, 25):
+        assert got[step] == pytest.approx(want[step], rel=1e-9)
+
+
+def test_resume_auto_starts_then_resumes_and_checks_the_config(data, tmp_path):
+    first = train(_cfg(data, tmp_path, resume='auto', max_steps=3, epochs=2))
+    assert first.global_step == 3
+    again = train(_cfg(data, tmp_path, resume='auto', max_steps=10, epochs=2))  # the same command, continued
+    assert again.global_step == 10
+    with pytest.raises(ConfigError, match=r'lr \(0.001 -> 0.002\)'):
+        train(_cfg(data, tmp_path, resume='auto', epochs=2, lr=2e-3))
+    with pytest.raises(ConfigError, match="resume='always': expected 'auto'"):
+        _cfg(data, tmp_path, resume='always')
+
+
+def test_sync_bn_on_cpu_processes_is_refused_clearly(data, tmp_path, monkeypatch):
+    from vitblocks.experiments import engine
+    monkeypatch.setattr(engine, 'init_distributed', lambda device_type: engine.DistInfo(0, 2, 0))
+    monkeypatch.setattr(engine, 'gather_object', lambda obj: [obj, obj])
+    with pytest.raises(ConfigError, match="SyncBatchNorm runs on CUDA devices only"):
+        train(_cfg(data, tmp_path, sync_bn=True, model='repa_deit_tiny_patch16_224', model_kwargs=TINY_REPA))
+
+
+# --- several processes (torchrun, gloo on the CPU) ----------------------------------------------------------
+
+WORKER = '''
+import json, os, signal, sys
+sys.path[:0] = [{tests!r}]
+import torch
+from vitblocks.experiments import engine, merge
+spec = json.loads(sys.argv[1])
+if spec.get('output_per_rank'):  # a node that does not share the run folder
+    spec['cfg']['output'] += '/rank' + os.environ['RANK']
+trainer = engine.Trainer(merge(spec['cfg']), resume=spec.get('resume'))
+kill = spec.get('kill_rank_at_step')
+if kill and os.environ['RANK'] == '1' and os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0':
+    step = trainer.after_step
+    def after_step(loss):
+        step(loss)
+        if trainer.global_step == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+    trainer.after_step = after_step
+result = trainer.fit()
+bn = {{k: v for k, v in trainer.model.state_dict().items() if 'running' in k}}
+torch.save(bn, spec['dump'] + '.rank' + os.environ['RANK'])
+'''
+
+
+def _torchrun(tmp_path, spec, nproc=2, restarts=0):
+    script = tmp_path / 'worker.py'
+    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(REPO / 'src'), os.environ.get('PYTHONPATH', '')]),
+           'OMP_NUM_THREADS': '1'}
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(nproc), '--max-restarts',
+           str(restarts), '--rdzv-backend', 'c10d', '--rdzv-endpoint', 'localhost:0', str(script), json.dumps(spec)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _bn_cfg(data, out, **kw):
+    return {**dict(model='repa_deit_tiny_patch16_224', data=str(data), model_kwargs=TINY_REPA, batch_size=4,
+                   epochs=1, lr=1e-3, sched='none', hflip=0.0, threads=1, progress='log', tensorboard=False,
+                   output=str(out), name='run', log_interval=2), **kw}
+
+
+@pytest.mark.slow
+def test_two_processes_average_bn_stats_then_resume_on_one(data, tmp_path):
+    out = _torchrun(tmp_path, {'cfg': _bn_cfg(data, tmp_path), 'dump': str(tmp_path / 'bn')})
+    assert out.returncode == 0, out.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f'bn.rank{r}') for r in (0, 1))
+    saved = load_checkpoint(tmp_path / 'run' / 'last.pth')
+    assert saved['global_step'] == 8 and saved['global_batch'] == 8
+    for k in r0:  # every rank ends with the same statistics, and the checkpoint has them
+        torch.testing.assert_close(r0[k], r1[k])
+        torch.testing.assert_close(saved['model'][k], r0[k])
+    # 2 -> 1 process: the global batch is kept by accumulating 2 micro-batches; a longer budget continues it
+    result = train(merge(_bn_cfg(data, tmp_path, epochs=2, grad_accum=2, progress='none')),
+                   resume=tmp_path / 'run')
+    assert result.global_step == 16 and result.epochs_done == 2
+
+
+@pytest.mark.slow
+def test_checkpoint_missing_on_one_rank_stops_every_rank(data, tmp_path):
+    first = train(merge(_bn_cfg(data, tmp_path / 'rank0', max_steps=2, progress='none')))
+    assert (first.run_dir / 'last.pth').is_file()  # rank 1's folder (tmp/rank1/run) has none
+    spec = {'cfg': _bn_cfg(data, tmp_path, resume='auto'), 'output_per_rank': True, 'dump': str(tmp_path / 'bn')}
+    out = _torchrun(tmp_path, spec)
+    assert out.returncode != 0
+    assert out.stderr.count('exists for rank(s) [0] but not here') >= 2  # raised on both ranks, no hang
+
+
+@pytest.mark.slow
+def test_sigkilled_rank_is_restarted_by_torchrun_with_the_same_command(data, tmp_path):
+    cfg = _bn_cfg(data, tmp_path, resume='auto', checkpoint_interval=2, epochs=2)
+    out = _torchrun(tmp_path, {'cfg': cfg, 'kill_rank_at_step': 5, 'dump': str(tmp_path / 'bn')}, restarts=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert 'from step 4' in out.stdout + out.stderr  # the restarted workers resumed from the step-4 checkpoint
+    assert load_checkpoint(tmp_path / 'run' / 'last.pth')['global_step'] == 16
+    with pytest.raises(CheckpointError):
+        load_checkpoint(tmp_path / 'run' / 'missing.pth')
