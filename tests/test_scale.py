@@ -125,7 +125,6 @@ def test_resume_auto_starts_then_resumes_and_checks_the_config(data, tmp_path):
 def test_sync_bn_on_cpu_processes_is_refused_clearly(data, tmp_path, monkeypatch):
     from vitblocks.experiments import engine
     monkeypatch.setattr(engine, 'init_distributed', lambda device_type: engine.DistInfo(0, 2, 0))
-    monkeypatch.setattr(engine, 'gather_object', lambda obj: [obj, obj])
     with pytest.raises(ConfigError, match="SyncBatchNorm runs on CUDA devices only"):
         train(_cfg(data, tmp_path, sync_bn=True, model='repa_deit_tiny_patch16_224', model_kwargs=TINY_REPA))
 
@@ -160,8 +159,8 @@ def _torchrun(tmp_path, spec, nproc=2, restarts=0):
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(REPO / 'src'), os.environ.get('PYTHONPATH', '')]),
            'OMP_NUM_THREADS': '1'}
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(nproc), '--max-restarts',
-           str(restarts), '--rdzv-backend', 'c10d', '--rdzv-endpoint', 'localhost:0', str(script), json.dumps(spec)]
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', str(nproc),
+           '--max-restarts', str(restarts), str(script), json.dumps(spec)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -42,7 +42,8 @@ def test_index_is_walked_once_and_redone_when_a_shard_changes(tmp_path, monkeypa
     made = write_shards(tmp_path, 'train', n=10, per_shard=5, gz=False)
     walks = []
     real = shards_module._iter_samples
-    monkeypatch.setattr(shards_module, '_iter_samples', lambda shard, decode: walks.append(shard) or real(shard, decode))
+    monkeypatch.setattr(shards_module, '_iter_samples',
+                        lambda shard, decode: walks.append(shard) or real(shard, decode))
     first = ShardDataset(str(tmp_path), 'train', in_memory=False)
     assert len(walks) == 2
     second = ShardDataset(str(tmp_path), 'train', in_memory=False)  # another rank / another start: no walk

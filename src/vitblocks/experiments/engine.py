@@ -28,11 +28,11 @@ from torch import nn
 
 from ..data import derive_seed
 from ..profile import count_params
-from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .config import RESUME_CHANGEABLE, ConfigError, TrainConfig, save_config
-from .distributed import (DistInfo, all_reduce_sum, barrier, broadcast_object, gather_object, init_distributed,
-                          raise_on_every_rank, sync_batchnorm_stats)
+from .checkpoint import CheckpointError, rng_state, save_checkpoint, set_rng_state
+from .config import ConfigError, TrainConfig, save_config
+from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, init_distributed, sync_batchnorm_stats
 from .evaluate import EvalResult, evaluate
+from .resume import auto_resume_checkpoint, load_on_every_rank
 from .runlog import MetricsLog, Progress
 from .setup import create_model, make_loader, resolve_device, setup_data
 
@@ -87,8 +87,9 @@ class Trainer:
         seed_everything(derive_seed(cfg.seed, self.dist.rank), cfg.deterministic, self.device)
 
         if resume is None and cfg.resume == 'auto':
-            resume = self._auto_resume(run_dir)
-        ckpt = self._load_on_every_rank(resume)
+            resume = auto_resume_checkpoint(Path(run_dir) if run_dir is not None else
+                                            Path(cfg.output) / (cfg.name or default_run_name(cfg)))
+        ckpt = load_on_every_rank(resume, cfg)
         self.model = model if model is not None else create_model(cfg, cfg.num_classes or self._peek_classes())
         self.num_classes = _num_outputs(self.model, cfg)
         self.data = setup_data(cfg, self.model, self.num_classes)
@@ -168,40 +169,6 @@ class Trainer:
             self.progress.message(self.log.tb_note)
 
     # --- setup helpers -----------------------------------------------------------------------------
-    def _auto_resume(self, run_dir: Optional[Path]) -> Optional[Path]:
-        """``resume=auto``: this run's last.pth if every process sees it, None if none does (a new run)."""
-        path = Path(run_dir) if run_dir is not None else Path(self.cfg.output) / (self.cfg.name or
-                                                                               default_run_name(self.cfg))
-        last = path / 'last.pth'
-        seen = gather_object(last.is_file())
-        if all(seen):
-            return last
-        have = [r for r, found in enumerate(seen) if found]
-        error = None if last.is_file() or not have else (
-            f'resume=auto: {last} exists for rank(s) {have} but not here; put the run folder on a file system '
-            f'every node shares, or copy it to each node')
-        raise_on_every_rank(error, CheckpointError)
-        return None
-
-    def _load_on_every_rank(self, resume: Optional[Path]) -> Optional[Dict[str, Any]]:
-        """The checkpoint, or the same CheckpointError on every rank if any rank cannot read its copy."""
-        ckpt, error = None, None
-        if resume is not None:
-            try:
-                ckpt = load_checkpoint(resume)
-            except CheckpointError as e:
-                error = str(e)
-        raise_on_every_rank(error, CheckpointError)
-        if ckpt is not None and self.cfg.resume == 'auto':
-            old, new = ckpt.get('config', {}), self.cfg.to_dict()
-            changed = sorted(k for k in old if k in new and k not in RESUME_CHANGEABLE and old[k] != new[k])
-            if changed:
-                raise ConfigError(f'resume=auto: {resume} was trained with other settings of '
-                                  f'{", ".join(f"{k} ({old[k]!r} -> {new[k]!r})" for k in changed)}; only '
-                                  f'{", ".join(sorted(RESUME_CHANGEABLE))} may change on resume. Use another '
-                                  f'--name, or restore those values')
-        return ckpt
-
     def _peek_classes(self) -> int:
         from ..data import build_dataset
         return build_dataset(self.cfg.data, self.cfg.train_split).num_classes
@@ -279,7 +246,8 @@ class Trainer:
             'scheduler': self.scheduler.state_dict() if self.scheduler is not None else None,
             'model_ema': self.ema.module.state_dict() if self.ema is not None else None,
             'scaler': self.scaler.state_dict() if self.scaler is not None else None,
-            'rng': states, 'global_batch': self.global_batch, 'epoch': self.epoch, 'epoch_step': self.epoch_step, 'global_step': self.global_step,
+            'rng': states, 'global_batch': self.global_batch,
+            'epoch': self.epoch, 'epoch_step': self.epoch_step, 'global_step': self.global_step,
             'best_top1': self.best_top1, 'best_epoch': self.best_epoch, 'elapsed_s': self._elapsed(),
             'log_window': list(self._window),
             'config': self.cfg.to_dict(), 'num_classes': self.num_classes, 'classes': list(self.data.train.classes),
