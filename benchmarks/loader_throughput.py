@@ -2,7 +2,8 @@
 
 * CIFAR-like: the in-memory path (shards decoded once into a uint8 tensor, batches cut and
   augmented as tensors: ``TensorLoader``) -- the real CIFAR-10 test split from ../shared/data when
-  present, else synthetic 32x32 JPEG shards;
+  present, else synthetic 32x32 JPEG shards -- and 2,000 of those images through timm's
+  per-sample PIL transforms (``PILLoader``, where per-sample overhead shows);
 * ImageNet-like: synthetic uncompressed ``.tar`` shards of 500x375 JPEGs read sample by sample
   (``ShardDataset(in_memory=False)``) through timm's training transform (RandomResizedCrop 224,
   flip, normalize) in ``PILLoader`` with 0, 1, 2 worker processes.
@@ -83,6 +84,12 @@ def main(argv=None):
         tf = BatchTransform((3, 32, 32), (0.5,) * 3, (0.25,) * 3, training=True, hflip=0.5, crop_padding=4)
         rates = time_epochs(TensorLoader(cifar, EpochOrder(len(cifar), 128), tf), args.repeats)
         print(f'CIFAR-like, in memory ({what}, {len(cifar)} images), TensorLoader batch 128, crop+flip: '
+              f'{statistics.median(rates):10.0f} images/s')
+        # the same images through timm's per-sample PIL transforms: per-sample overhead shows here
+        small = cifar.subset(range(2000))
+        tf = build_pil_transform((3, 32, 32), (0.5,) * 3, (0.25,) * 3, training=True, hflip=0.5, crop_padding=4)
+        rates = time_epochs(PILLoader(small, EpochOrder(len(small), 128), tf, workers=0), args.repeats)
+        print(f'CIFAR-like, in memory, {len(small)} images, PILLoader workers=0, crop+flip per sample: '
               f'{statistics.median(rates):10.0f} images/s')
 
         folder = write_jpeg_shards(tmp / 'imagenet', args.imagenet_images, 32, (375, 500), gz=False)

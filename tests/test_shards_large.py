@@ -100,3 +100,16 @@ def test_dataset_mean_samples_a_bounded_number_one_at_a_time(monkeypatch):
     pixels = np.concatenate([np.full((3 if i % 2 else 5) * 4, i % 251) for i in ds.loaded]) / 255
     assert mean == pytest.approx((round(pixels.mean(), 4),) * 3, abs=1e-4)
     assert std == pytest.approx((round(pixels.std(), 4),) * 3, abs=1e-4)
+
+
+def _worker_pid(img):
+    import os
+    return torch.tensor(os.getpid())
+
+
+def test_loader_workers_persist_across_epochs(tmp_path):
+    write_shards(tmp_path, 'train', n=8, per_shard=4, gz=False)
+    ds = ShardDataset(str(tmp_path), 'train')
+    loader = PILLoader(ds, EpochOrder(len(ds), 4), _worker_pid, workers=1)
+    pids = [{int(p) for x, _ in loader.epoch(epoch) for p in x} for epoch in range(2)]
+    assert pids[0] == pids[1] and len(pids[0]) == 1  # one worker, started once (before: re-forked every epoch)
