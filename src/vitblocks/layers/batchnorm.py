@@ -21,7 +21,8 @@ class TokenBatchNorm(nn.Module):
     Checkpoints of the earlier subclass form (``<name>.weight`` instead of ``<name>.bn.weight``)
     still load. ``weight``, ``running_mean``, ... read through to the inner module (BN folding).
     """
-    __jit_unused_properties__ = ['weight', 'bias', 'running_mean', 'running_var', 'eps', 'num_features']
+    __jit_unused_properties__ = ['weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked', 'eps',
+                                 'num_features']
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device=None, dtype=None):
@@ -51,6 +52,10 @@ class TokenBatchNorm(nn.Module):
     @property
     def running_var(self):
         return self.bn.running_var
+
+    @property
+    def num_batches_tracked(self):
+        return self.bn.num_batches_tracked
 
     @property
     def eps(self) -> float:
