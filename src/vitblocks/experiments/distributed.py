@@ -4,8 +4,8 @@
 CUDA, gloo on CPU). A plain ``python``/``vitblocks`` launch is one process, no group.
 """
 import os
-from dataclasses import dataclass
 import socket
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import torch
