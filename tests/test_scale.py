@@ -17,7 +17,7 @@ from torch import nn
 
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.experiments import merge, train
-from vitblocks.experiments.checkpoint import CheckpointError, load_checkpoint
+from vitblocks.experiments.checkpoint import load_checkpoint
 from vitblocks.experiments.config import ConfigError
 
 from _train_helpers import TINY_VIT, tiny_dataset
@@ -204,5 +204,3 @@ def test_sigkilled_rank_is_restarted_by_torchrun_with_the_same_command(data, tmp
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'from step 4' in out.stdout + out.stderr  # the restarted workers resumed from the step-4 checkpoint
     assert load_checkpoint(tmp_path / 'run' / 'last.pth')['global_step'] == 16
-    with pytest.raises(CheckpointError):
-        load_checkpoint(tmp_path / 'run' / 'missing.pth')
