@@ -10,6 +10,7 @@ Float64, so a wrong LayerNorm eps (1e-5 vs 1e-6) or head order cannot hide in fp
 """
 import argparse
 import math
+import re
 
 import pytest
 import timm
@@ -17,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import vitblocks  # noqa: F401  (registers the models)
+from vitblocks.cli import main
 from vitblocks.deploy import reparameterize
+from vitblocks.deploy.io import load_deployed
 from vitblocks.models.convert_authors import AuthorsCheckpointError, convert_authors_state_dict
 
 DIM, HEADS, DEPTH, PATCH, IMG, CLASSES = 16, 2, 2, 8, 32, 5
@@ -217,7 +220,7 @@ def test_repavit_file_into_a_model_without_pre_norm_says_which_to_build(tmp_path
 
 def test_authors_file_into_the_deploy_form_is_refused_with_the_fix(tmp_path):
     path = _save_like_the_authors(tmp_path, repavit_state_dict())
-    with pytest.raises(AuthorsCheckpointError, match='reparameterize'):
+    with pytest.raises(AuthorsCheckpointError, match='deploy form.*reparameterize'):
         timm.create_model('repa_prenorm_deit_tiny_patch16_224', checkpoint_path=str(path),
                           block_cfg=dict(deploy=True), **TINY)
     path = _save_like_the_authors(tmp_path, iffn_deit_state_dict(3))
@@ -238,3 +241,70 @@ def test_wrong_size_fails_on_the_tensor_that_differs(tmp_path):
     path = _save_like_the_authors(tmp_path, repavit_state_dict())
     with pytest.raises(RuntimeError, match='size mismatch for blocks.0.norm1.weight'):
         timm.create_model('repa_prenorm_deit_tiny_patch16_224', checkpoint_path=str(path), **{**TINY, 'embed_dim': 32})
+
+
+def test_a_file_of_the_other_paper_names_the_models_that_take_it(tmp_path):
+    path = _save_like_the_authors(tmp_path, repavit_state_dict())
+    with pytest.raises(AuthorsCheckpointError, match='load it into one of repa_prenorm_'):
+        timm.create_model('iffn_deit_tiny_patch16_224', checkpoint_path=str(path), **TINY)
+
+
+# --- vitblocks convert --------------------------------------------------------------------------
+
+_TINY_ARGS = ['--model-args'] + [f'{k}={v}' for k, v in TINY.items()]
+
+
+def _convert(capsys, *argv):
+    code = main(['convert', *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_convert_writes_our_layout_in_both_forms(tmp_path, capsys):
+    sd = repavit_state_dict()
+    src = _save_like_the_authors(tmp_path, sd)
+    sd = {k: v.float() for k, v in sd.items()}
+    name = 'repa_prenorm_deit_tiny_patch16_224'
+    code, out, _ = _convert(capsys, src, tmp_path / 'train.safetensors', '--model', name, *_TINY_ARGS)
+    assert code == 0 and f"the authors' repavit layout, {len(sd)} tensors -> {name}" in out, out
+    img = _image().float()
+    with torch.no_grad():
+        expected = repavit_forward(sd, img)
+        trained = timm.create_model(name, checkpoint_path=str(tmp_path / 'train.safetensors'), **TINY).eval()
+        assert torch.allclose(trained(img), expected, rtol=0, atol=1e-5)
+        code, out, _ = _convert(capsys, src, tmp_path / 'deployed.safetensors', '--model', name, '--deploy', *_TINY_ARGS)
+        assert code == 0 and 'deployed (re-parameterized)' in out
+        deployed = load_deployed(name, tmp_path / 'deployed.safetensors', **TINY)
+        assert type(deployed.blocks[0].mlp).__name__ == 'RePaDeployedFFN'
+        assert torch.allclose(deployed(img), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize('case, message', [
+    ('missing', 'no checkpoint at .*missing.pth: the file does not exist'),
+    ('truncated', 'cannot read .* as a torch checkpoint'),
+    ('ours', "in no authors' layout"),
+    ('dst', 'DST must end with .safetensors'),
+    ('ema', "has no 'model_ema' entry .*drop --ema"),
+    ('swin', "cannot hold; use one of repa_prenorm_"),
+    ('size', 'the checkpoint has width 16, 2 blocks, 5 classes, the model width 16, 2 blocks, 7 classes'),
+])
+def test_convert_errors_say_what_and_how_to_fix(tmp_path, capsys, case, message):
+    src = _save_like_the_authors(tmp_path, repavit_state_dict())
+    dst, args = tmp_path / 'out.safetensors', ['--model', 'repa_prenorm_deit_tiny_patch16_224', *_TINY_ARGS]
+    if case == 'missing':
+        src = tmp_path / 'missing.pth'
+    elif case == 'truncated':
+        src.write_bytes(src.read_bytes()[:1000])
+    elif case == 'ours':
+        torch.save({'model': timm.create_model('repa_prenorm_deit_tiny_patch16_224', **TINY).state_dict()}, src)
+    elif case == 'dst':
+        dst = tmp_path / 'out.pth'
+    elif case == 'ema':
+        args.append('--ema')
+    elif case == 'swin':
+        args = ['--model', 'repa_swin_tiny_patch4_window7_224']
+    elif case == 'size':
+        args = args + ['num_classes=7']
+    code, _, err = _convert(capsys, src, dst, *args)
+    assert code == 2 and re.search(message, err), err
+    assert len(err.strip().splitlines()) == 1 and not dst.exists()

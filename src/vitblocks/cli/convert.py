@@ -10,7 +10,7 @@ from timm.models import clean_state_dict
 
 from ..deploy import reparameterize
 from ..deploy.io import save_deployed, write_safetensors
-from ..models.convert_authors import AuthorsCheckpointError, detect_authors_layout
+from ..models.convert_authors import AUTHORS_MODELS, AuthorsCheckpointError, detect_authors_layout
 from ..profile import count_params
 from .common import CliError, build_model, parse_block_cfg, resolve
 
@@ -102,6 +102,9 @@ def run(args) -> int:
         raise CliError(f"{src} is in no authors' layout vitblocks knows (RePaViT: blocks.N.attn.norm.*, IFFN DeiT: "
                        f"blocks.N.mlp.act1.move1.scale); a checkpoint in our layout needs no conversion")
     model = build_model(name, block_cfg, base_kwargs=model_args)
+    if not getattr(model, 'accepts_authors_checkpoints', False):
+        raise CliError(f"{src} is an authors' {layout} checkpoint, which {name} cannot hold; use one of "
+                       f'{AUTHORS_MODELS[layout]}')
     try:
         model.load_state_dict(state_dict)  # the model's pre-hook converts the authors' layout
     except AuthorsCheckpointError as e:

@@ -42,12 +42,16 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..layers import IFFN, RePaFFN
+from ..layers import IFFN, RePaDeployedFFN, RePaFFN
 
-__all__ = ['AUTHORS_LAYOUTS', 'AuthorsCheckpointError', 'accept_authors_checkpoints', 'checkpoint_filter_fn',
-           'convert_authors_state_dict', 'detect_authors_layout']
+__all__ = ['AUTHORS_LAYOUTS', 'AUTHORS_MODELS', 'AuthorsCheckpointError', 'accept_authors_checkpoints',
+           'checkpoint_filter_fn', 'convert_authors_state_dict', 'detect_authors_layout']
 
 AUTHORS_LAYOUTS = ('repavit', 'iffn_deit')
+AUTHORS_MODELS = {  # the vitblocks models that compute each layout's function
+    'repavit': 'repa_prenorm_{deit_tiny,deit_small,deit_base}_patch16_224, repa_prenorm_vit_{large,huge}_patch16_224',
+    'iffn_deit': 'iffn_deit_{tiny,small,base}_patch16_224',
+}
 
 _DETECT = {
     'repavit': re.compile(r'blocks\.\d+\.attn\.norm\.weight$'),
@@ -112,34 +116,28 @@ def _stack_agelu(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]
 
 def _check_model(model: nn.Module, layout: str) -> None:
     """Fail early, with the fix, where the model cannot compute the authors' function."""
-    blocks = getattr(model, 'blocks', None)
-    if blocks is None or not len(blocks):
-        raise AuthorsCheckpointError(f'an authors\' {layout} checkpoint loads into a ViT with blocks; '
-                                     f'got {type(model).__name__}')
-    mlp = blocks[0].mlp
-    if layout == 'repavit':
-        if not isinstance(mlp, RePaFFN):
-            raise AuthorsCheckpointError(
-                f'this is an authors\' RePaViT checkpoint (training form, BatchNorm statistics); the model holds '
-                f'{type(mlp).__name__}: load it into the training form (no block_cfg deploy=True), then '
-                f'vitblocks.deploy.reparameterize, or use `vitblocks convert --deploy`')
-        if isinstance(model.norm_pre, nn.Identity):
-            arch = getattr(model, 'pretrained_cfg', {}).get('architecture', '') or 'this model'
-            hint = arch.replace('repa_', 'repa_prenorm_', 1) if arch.startswith('repa_') else 'repa_prenorm_<size>'
-            raise AuthorsCheckpointError(
-                f'this is an authors\' RePaViT checkpoint: their ViTs are pre-norm (norm_pre after the position '
-                f'embedding, bias-free patch embedding), which {arch} is not; build {hint} instead')
-    else:
-        if not isinstance(mlp, IFFN) or mlp.spatial is None or not hasattr(mlp.spatial.bn, 'running_mean'):
-            raise AuthorsCheckpointError(
-                f'this is an authors\' IFFN DeiT checkpoint (training form: channel and spatial parts, BatchNorm); '
-                f'the model holds {type(mlp).__name__}{" in deploy form" if getattr(mlp, "deploy", False) else ""}: '
-                f'load it into iffn_deit_* in training form, then vitblocks.deploy.reparameterize')
-        if getattr(model, 'cls_token', None) is not None or not isinstance(model.fc_norm, nn.Identity):
-            raise AuthorsCheckpointError(
-                'the authors\' IFFN DeiT has no class token and applies the final LayerNorm to every token before '
-                'averaging (class_token=False, global_pool="avg", fc_norm=False, as iffn_deit_* are built); '
-                'this model differs')
+    name = 'RePaViT' if layout == 'repavit' else 'IFFN DeiT'
+    mlp = model.blocks[0].mlp if len(getattr(model, 'blocks', ())) else None
+    if isinstance(mlp, RePaDeployedFFN) or (isinstance(mlp, IFFN) and mlp.deploy):
+        raise AuthorsCheckpointError(
+            f"this is an authors' {name} checkpoint, the training form (BatchNorm statistics); the model is built in "
+            f'deploy form: build it without block_cfg deploy=True, load, then vitblocks.deploy.reparameterize '
+            f'(or `vitblocks convert --deploy`)')
+    if not isinstance(mlp, RePaFFN if layout == 'repavit' else IFFN):
+        raise AuthorsCheckpointError(f"this is an authors' {name} checkpoint; load it into one of "
+                                     f'{AUTHORS_MODELS[layout]}')
+    if layout == 'repavit' and isinstance(model.norm_pre, nn.Identity):
+        arch = getattr(model, 'pretrained_cfg', {}).get('architecture', '') or 'this model'
+        hint = arch.replace('repa_', 'repa_prenorm_', 1) if arch.startswith('repa_') else 'repa_prenorm_<size>'
+        raise AuthorsCheckpointError(
+            f"this is an authors' RePaViT checkpoint: their ViTs are pre-norm (norm_pre after the position "
+            f'embedding, bias-free patch embedding), which {arch} is not; build {hint} instead')
+    if layout == 'iffn_deit' and (getattr(model, 'cls_token', None) is not None
+                                  or not isinstance(model.fc_norm, nn.Identity)):
+        raise AuthorsCheckpointError(
+            "the authors' IFFN DeiT has no class token and applies the final LayerNorm to every token before "
+            'averaging (class_token=False, global_pool="avg", fc_norm=False, as iffn_deit_* are built); '
+            'this model differs')
 
 
 def convert_authors_state_dict(state_dict: Dict[str, torch.Tensor], model: Optional[nn.Module] = None,
@@ -192,4 +190,5 @@ def accept_authors_checkpoints(model: nn.Module) -> nn.Module:
     """Let ``model.load_state_dict`` (and so ``timm.create_model(checkpoint_path=...)``) take the
     authors' key layouts; states in our layout load as before. Returns ``model``."""
     model.register_load_state_dict_pre_hook(_authors_checkpoint_pre_hook)
+    model.accepts_authors_checkpoints = True  # survives copy and pickle, unlike a look into torch's hook dicts
     return model
