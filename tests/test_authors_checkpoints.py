@@ -201,7 +201,8 @@ def test_iffn_deit_head_normalizes_every_token_then_averages():
     assert isinstance(model.fc_norm, torch.nn.Identity) and norm.eps == 1e-6
     timm_head = timm.create_model('iffn_deit_tiny_patch16_224', fc_norm=None, **TINY)  # timm's avg-then-norm
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in timm_head.parameters())
-    assert sum(p.numel() for p in timm.create_model('iffn_deit_tiny_patch16_224', device='meta').parameters()) == 4_998_184  # authors' README: 5.00 M
+    full_size = timm.create_model('iffn_deit_tiny_patch16_224', device='meta')
+    assert sum(p.numel() for p in full_size.parameters()) == 4_998_184  # authors' README: 5.00 M
 
 
 def test_our_own_layout_still_loads_and_other_models_pass_through():
@@ -216,6 +217,17 @@ def test_repavit_file_into_a_model_without_pre_norm_says_which_to_build(tmp_path
     path = _save_like_the_authors(tmp_path, repavit_state_dict())
     with pytest.raises(AuthorsCheckpointError, match='build repa_prenorm_deit_small_patch16_224'):
         timm.create_model('repa_deit_small_patch16_224', checkpoint_path=str(path), **TINY)
+
+
+def test_a_model_that_differs_from_theirs_in_a_norm_is_refused(tmp_path):
+    """pre_norm=True alone is not their RePaViT (attention LayerNorm eps), nor timm's LayerNorm their IFFN."""
+    path = _save_like_the_authors(tmp_path, repavit_state_dict())
+    with pytest.raises(AuthorsCheckpointError, match='eps-1e-5 LayerNorms before attention'):
+        timm.create_model('repa_deit_tiny_patch16_224', checkpoint_path=str(path), pre_norm=True, **TINY)
+    path = _save_like_the_authors(tmp_path, iffn_deit_state_dict(3))
+    with pytest.raises(AuthorsCheckpointError, match='eps-1e-5 LayerNorms in the IFFN'):
+        timm.create_model('iffn_deit_tiny_patch16_224', checkpoint_path=str(path),
+                          block_cfg=dict(norm_layer=timm.layers.LayerNorm), **TINY)
 
 
 def test_authors_file_into_the_deploy_form_is_refused_with_the_fix(tmp_path):
@@ -272,7 +284,8 @@ def test_convert_writes_our_layout_in_both_forms(tmp_path, capsys):
         expected = repavit_forward(sd, img)
         trained = timm.create_model(name, checkpoint_path=str(tmp_path / 'train.safetensors'), **TINY).eval()
         assert torch.allclose(trained(img), expected, rtol=0, atol=1e-5)
-        code, out, _ = _convert(capsys, src, tmp_path / 'deployed.safetensors', '--model', name, '--deploy', *_TINY_ARGS)
+        code, out, _ = _convert(capsys, src, tmp_path / 'deployed.safetensors', '--model', name, '--deploy',
+                                *_TINY_ARGS)
         assert code == 0 and 'deployed (re-parameterized)' in out
         deployed = load_deployed(name, tmp_path / 'deployed.safetensors', **TINY)
         assert type(deployed.blocks[0].mlp).__name__ == 'RePaDeployedFFN'

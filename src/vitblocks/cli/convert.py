@@ -20,7 +20,7 @@ FORMAT = 'vitblocks.converted/1'  # metadata['format'] of a training-form file w
 EPILOG = """\
 examples:
   vitblocks convert RePaViT_Base.pth repavit_base.safetensors --model repa_prenorm_deit_base_patch16_224
-  vitblocks convert RePaViT_Base.pth repavit_base_deployed.safetensors --model repa_prenorm_deit_base_patch16_224 --deploy
+  vitblocks convert RePaViT_Base.pth repavit_base_folded.safetensors --model repa_prenorm_deit_base_patch16_224 --deploy
   vitblocks convert iffn_deit_tiny.pth iffn_deit_tiny.safetensors --model iffn_deit_tiny_patch16_224
 
 Recognized layouts: the authors' RePaViT (Ackesnal/RePaViT, --channel_idle --feature_norm=BatchNorm)

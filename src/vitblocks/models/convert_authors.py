@@ -14,10 +14,12 @@ timm's ``create_model(checkpoint_path=...)`` calls ``model.load_state_dict`` wit
 model is the one place every loading path passes through. :func:`checkpoint_filter_fn` is the
 same conversion with timm's filter signature, for ``timm.models.load_checkpoint(filter_fn=...)``.
 
-| layout      | their model (repository)                   | recognized by                 | vitblocks models |
-| ----------- | ------------------------------------------ | ----------------------------- | ---------------- |
-| ``repavit`` | ``RePaViT_{Tiny..Huge}`` with ``--channel_idle --feature_norm=BatchNorm`` (Ackesnal/RePaViT, ``repavit.py``) | ``blocks.N.attn.norm.*`` | ``repa_prenorm_*`` |
-| ``iffn_deit`` | ``deit_{tiny,small,base}_patch16_224`` (AMD-AIG-AIMA/AMD_IFFN, ``vision_transformer.py``) | ``blocks.N.mlp.act1.move1.scale`` | ``iffn_deit_*`` |
+* ``repavit``: their ``RePaViT_{Tiny,Small,Base,Large,Huge}`` trained with ``--channel_idle
+  --feature_norm=BatchNorm`` (Ackesnal/RePaViT, ``repavit.py``); recognized by
+  ``blocks.N.attn.norm.*``; loads into ``repa_prenorm_*``.
+* ``iffn_deit``: their ``deit_{tiny,small,base}_patch16_224`` (AMD-AIG-AIMA/AMD_IFFN,
+  ``vision_transformer.py``); recognized by ``blocks.N.mlp.act1.move1.scale``; loads into
+  ``iffn_deit_*``.
 
 Renamed keys (everything else keeps its name)::
 
@@ -126,18 +128,20 @@ def _check_model(model: nn.Module, layout: str) -> None:
     if not isinstance(mlp, RePaFFN if layout == 'repavit' else IFFN):
         raise AuthorsCheckpointError(f"this is an authors' {name} checkpoint; load it into one of "
                                      f'{AUTHORS_MODELS[layout]}')
-    if layout == 'repavit' and isinstance(model.norm_pre, nn.Identity):
+    if layout == 'repavit' and (isinstance(model.norm_pre, nn.Identity) or model.blocks[0].norm1.eps != 1e-5):
         arch = getattr(model, 'pretrained_cfg', {}).get('architecture', '') or 'this model'
         hint = arch.replace('repa_', 'repa_prenorm_', 1) if arch.startswith('repa_') else 'repa_prenorm_<size>'
         raise AuthorsCheckpointError(
             f"this is an authors' RePaViT checkpoint: their ViTs are pre-norm (norm_pre after the position "
-            f'embedding, bias-free patch embedding), which {arch} is not; build {hint} instead')
+            f'embedding, bias-free patch embedding) with eps-1e-5 LayerNorms before attention, which {arch} is '
+            f'not; build {hint} instead')
     if layout == 'iffn_deit' and (getattr(model, 'cls_token', None) is not None
-                                  or not isinstance(model.fc_norm, nn.Identity)):
+                                  or not isinstance(model.fc_norm, nn.Identity)
+                                  or not getattr(mlp.norm, 'eps', None) == getattr(mlp.norm_out, 'eps', None) == 1e-5):
         raise AuthorsCheckpointError(
-            "the authors' IFFN DeiT has no class token and applies the final LayerNorm to every token before "
-            'averaging (class_token=False, global_pool="avg", fc_norm=False, as iffn_deit_* are built); '
-            'this model differs')
+            "the authors' IFFN DeiT has no class token, applies the final LayerNorm to every token before "
+            'averaging (class_token=False, global_pool="avg", fc_norm=False) and uses eps-1e-5 LayerNorms in the '
+            'IFFN, as iffn_deit_* are built; this model differs')
 
 
 def convert_authors_state_dict(state_dict: Dict[str, torch.Tensor], model: Optional[nn.Module] = None,
