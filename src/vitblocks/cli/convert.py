@@ -110,8 +110,10 @@ def run(args) -> int:
     except AuthorsCheckpointError as e:
         raise CliError(str(e)) from None
     except RuntimeError as e:  # missing / unexpected keys, shape mismatch
+        problems = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]  # one per tensor
+        more = f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''
         raise CliError(f'{src} ({layout} layout) does not fit {name}: {_size_hint(state_dict, model)}; '
-                       f'torch: {" ".join(str(e).split())[:300]}') from None
+                       f'first problem: {problems[0] if problems else str(e)[:300]}{more}') from None
     model.eval()
     if args.deploy:
         model = reparameterize(model)
