@@ -93,8 +93,6 @@ def run(args) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if dst.suffix != '.safetensors':
         raise CliError(f'DST must end with .safetensors (timm chooses its reader by the extension), got {dst}')
-    if dst.resolve() == src.resolve():
-        raise CliError('DST is SRC; write the converted file elsewhere')
     block_cfg, model_args = parse_block_cfg(args.block_cfg), parse_block_cfg(args.model_args)
     state_dict = _read_state_dict(src, args.ema)
     layout = detect_authors_layout(state_dict)
