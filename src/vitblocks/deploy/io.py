@@ -27,7 +27,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-__all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'DeployedCheckpointError', 'FORMAT']
+__all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'write_safetensors', 'DeployedCheckpointError',
+           'FORMAT']
 
 FORMAT = 'vitblocks.deployed/1'  # metadata['format'] of every file save_deployed writes
 
@@ -72,12 +73,18 @@ def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
                 'torch': torch.__version__, 'timm': timm.__version__}
     if block_cfg:
         metadata['block_cfg'] = json.dumps(block_cfg, sort_keys=True)
+    return write_safetensors(deployed, path, metadata)
+
+
+def write_safetensors(model: nn.Module, path: PathLike, metadata: Dict[str, str]) -> Path:
+    """Write ``model``'s state dict and ``metadata`` to ``path`` atomically (a temporary file in
+    the same directory, then ``os.replace``); parent directories are created. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
     os.close(fd)
     try:
-        save_model(deployed, tmp, metadata=metadata)  # shared tensors stored once, made contiguous
+        save_model(model, tmp, metadata=metadata)  # shared tensors stored once, made contiguous
         os.replace(tmp, path)  # atomic on POSIX and Windows (same directory, same file system)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,19 +1,31 @@
 """IFFN models: every IFFN Table 1 row whose backbone timm has.
 
-The '*' rows of Table 1 (DeiT-B, Swin-B, PoolFormer-M48) use a 5x5 depthwise kernel. The
-authors' DeiT models drop the class token and average-pool the patch tokens, so ours do too.
-LVT (the "Portable ViT" rows) is not in timm and is not provided.
+The '*' rows of Table 1 (DeiT-B, Swin-B, PoolFormer-M48) use a 5x5 depthwise kernel. LVT (the
+"Portable ViT" rows) is not in timm and is not provided.
+
+The DeiT models are the authors' DeiT (AMD-AIG-AIMA/AMD_IFFN, ``vision_transformer.py``), so their
+released checkpoints load (``timm.create_model(name, checkpoint_path=...)``, see
+:mod:`vitblocks.models.convert_authors`) and compute the authors' function:
+
+* no class token, and the head of their ``forward_features``: the final LayerNorm on *every*
+  token, then the average (timm ``fc_norm=False``; timm's ``global_pool='avg'`` default would
+  average first and normalize after, same parameters but another function);
+* both LayerNorms inside the IFFN are torch's ``nn.LayerNorm`` (eps 1e-5), where timm's
+  LayerNorm defaults to eps 1e-6 (the block norms stay timm's, eps 1e-6 as theirs).
 """
+from torch import nn
+
+from .convert_authors import accept_authors_checkpoints
 from .registry import VariantSpec, register_variant
 from .surgery import swap_ffn
 
-_DEIT_NO_CLS = dict(class_token=False, global_pool='avg')
+_DEIT_AUTHORS = dict(class_token=False, global_pool='avg', fc_norm=False)
 
 # (timm base, depthwise kernel size, base-model kwargs)
 IFFN_TABLE1_BASES = (
-    ('deit_tiny_patch16_224', 3, _DEIT_NO_CLS),
-    ('deit_small_patch16_224', 3, _DEIT_NO_CLS),
-    ('deit_base_patch16_224', 5, _DEIT_NO_CLS),
+    ('deit_tiny_patch16_224', 3, _DEIT_AUTHORS),
+    ('deit_small_patch16_224', 3, _DEIT_AUTHORS),
+    ('deit_base_patch16_224', 5, _DEIT_AUTHORS),
     ('swin_tiny_patch4_window7_224', 3, {}),
     ('swin_small_patch4_window7_224', 3, {}),
     ('swin_base_patch4_window7_224', 5, {}),
@@ -29,8 +41,17 @@ def _swap_iffn(model, cfg):
     return swap_ffn(model, 'iffn', **cfg)
 
 
+def _swap_iffn_authors_deit(model, cfg):
+    """The authors' DeiT: their IFFN norms are ``nn.LayerNorm`` (eps 1e-5); their keys load."""
+    count = swap_ffn(model, 'iffn', **{'norm_layer': nn.LayerNorm, **cfg})
+    accept_authors_checkpoints(model)
+    return count
+
+
 for _base, _kernel, _kwargs in IFFN_TABLE1_BASES:
+    _deit = _base.startswith('deit_')
     register_variant(VariantSpec(
-        name=f'iffn_{_base}', method='iffn', base=_base, build=_swap_iffn,
+        name=f'iffn_{_base}', method='iffn', base=_base, build=_swap_iffn_authors_deit if _deit else _swap_iffn,
         cfg=dict(kernel_size=_kernel), base_kwargs=dict(_kwargs),
-        description=f'IFFN Table 1 ({_kernel}x{_kernel} depthwise)'))
+        description=f'IFFN Table 1 ({_kernel}x{_kernel} depthwise)'
+                    + ("; the authors' DeiT: no class token, LayerNorm on every token then average" if _deit else '')))

@@ -11,13 +11,25 @@ layer-scale (PoolFormer), drop-path and the shortcut. ``timm.utils.reparameteriz
   that timm entry built with ``patch_size=16``; the name states the architecture that is built.
 * LV-ViT-S/M (Table 1) are not in timm and are not provided.
 * PoolFormer-M36/M48 have no Table 1 row; they are registered for completeness.
+* ``repa_prenorm_{deit_tiny,deit_small,deit_base}_patch16_224``, ``repa_prenorm_vit_{large,huge}_patch16_224``:
+  the architecture of the authors' released RePaViT-Tiny/Small/Base/Large/Huge checkpoints
+  (Ackesnal/RePaViT, ``repavit.py``), which differs from timm's DeiT/ViT in three places:
+  a LayerNorm after the position embedding (timm ``pre_norm=True``, which also drops the patch
+  embedding's bias, as theirs), torch's ``nn.LayerNorm`` (eps 1e-5) before attention where timm's
+  DeiT uses eps 1e-6 (their final and pre-norms are eps 1e-6, as timm's), and ImageNet mean/std
+  with crop 0.875 for every size (their evaluation transform). Class-token pooling and the head
+  are timm's. Their checkpoints load with ``timm.create_model(name, checkpoint_path=...)``
+  (:mod:`vitblocks.models.convert_authors`).
 
 Options (``timm.create_model(name, block_cfg=...)``): ``idle_ratio`` (theta; a single value or a
 list with one value per block, in model order), ``deploy=True`` (build the deployed form directly
 so fused checkpoints load), and the other :class:`~vitblocks.layers.RePaFFN` arguments.
 """
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
 from ..layers.repa import repa_ffn
-from .registry import VariantSpec, register_variant
+from .convert_authors import accept_authors_checkpoints
+from .registry import VariantSpec, default_cfgs, register_variant
 from .residual_surgery import list_residual_ffns, register_residual_ffn, swap_residual_ffn
 
 __all__ = ['swap_residual_ffn', 'list_residual_ffns', 'REPA_TABLE1_BASES']
@@ -48,10 +60,33 @@ def _swap_repa(model, cfg):
     return swap_residual_ffn(model, 'repa', **cfg)
 
 
+def _swap_repa_vit(model, cfg):
+    """timm's DeiT/ViT with RePa units; an authors' RePaViT file gets a clear error (it needs pre-norm)."""
+    count = swap_residual_ffn(model, 'repa', **cfg)
+    accept_authors_checkpoints(model)
+    return count
+
+
+def _swap_repa_authors_vit(model, cfg):
+    """The authors' RePaViT: their attention pre-norm is torch's nn.LayerNorm, eps 1e-5 (timm DeiT: 1e-6)."""
+    count = _swap_repa_vit(model, cfg)
+    for block in model.blocks:
+        block.norm1.eps = 1e-5
+    return count
+
+
 for _name, _base, _kwargs in REPA_TABLE1_BASES:
     _note = f'; timm {_base} built with patch_size=16 (ViT-H/16 as in the paper; timm has only ViT-H/14)' \
         if _kwargs else ''
+    _vit = _base.startswith(('deit_', 'vit_'))
     register_variant(VariantSpec(
-        name=f'repa_{_name}', method='repa', base=_base, build=_swap_repa,
+        name=f'repa_{_name}', method='repa', base=_base, build=_swap_repa_vit if _vit else _swap_repa,
         cfg=dict(idle_ratio=0.75), base_kwargs=dict(_kwargs),
         description=f'RePa Table 1 (channel-idle FFN, idle ratio 0.75){_note}'))
+    if _vit:  # the authors' RePaViT-Tiny ... Huge, see the module docstring
+        register_variant(VariantSpec(
+            name=f'repa_prenorm_{_name}', method='repa', base=_base, build=_swap_repa_authors_vit,
+            cfg=dict(idle_ratio=0.75), base_kwargs=dict(_kwargs, pre_norm=True),
+            description=f"the authors' RePaViT (pre-norm, bias-free patch embedding; idle ratio 0.75){_note}"))
+        default_cfgs[f'repa_prenorm_{_name}'].update(mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
+                                                     crop_pct=0.875)
