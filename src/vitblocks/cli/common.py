@@ -91,21 +91,23 @@ def model_size_kwargs(args) -> Dict[str, Any]:
     return out
 
 
-def check_writable_dir(path: Path, what: str) -> None:
-    """Fail now, with one line, if ``path`` (a folder, created later if missing) cannot be written."""
+def check_writable_dir(path: Path, what: str, shown: Optional[Path] = None) -> None:
+    """Fail now, with one line, if ``path`` (a folder, created later if missing) cannot be written.
+    ``shown``: the path the user gave, for the message (default ``path``)."""
     path = Path(path)
+    shown = shown or path
     probe = path
     while not probe.exists():
         if probe.parent == probe:
             break
         probe = probe.parent
     if not probe.is_dir():
-        raise CliError(f'{what} {path}: {probe} is a file, not a folder')
+        raise CliError(f'{what} {shown}: {probe} is a file, not a folder')
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
-        raise CliError(f'{what} {path}: cannot write into {probe} ({e.strerror or e}); pick another place') from None
+        raise CliError(f'{what} {shown}: cannot write into {probe} ({e.strerror or e}); pick another place') from None
 
 
 def check_writable_file(path: Path, what: str) -> None:
@@ -113,7 +115,7 @@ def check_writable_file(path: Path, what: str) -> None:
     path = Path(path)
     if path.is_dir():
         raise CliError(f'{what} {path}: is a folder; give a file name')
-    check_writable_dir(path.parent, what)
+    check_writable_dir(path.parent, what, shown=path)
 
 
 def format_cfg(cfg: Dict[str, Any]) -> str:

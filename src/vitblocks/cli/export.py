@@ -92,8 +92,6 @@ def _model(args):
     name = resolve(args.model)
     block_cfg = parse_block_cfg(args.block_cfg)
     size_kwargs = model_size_kwargs(args)
-    if args.weights and args.checkpoint:
-        raise CliError('--weights (deployed) and --checkpoint (training form) both give the weights; pick one')
     if args.weights:
         if size_kwargs:
             raise CliError('--weights loads a deployed checkpoint built as MODEL is registered; drop --num-classes / '
@@ -113,7 +111,9 @@ def _model(args):
 
 
 def run(args) -> int:
-    check_writable_file(Path(args.out), '--out')
+    if args.weights and args.checkpoint:
+        raise CliError('--weights (deployed) and --checkpoint (training form) both give the weights; pick one')
+    check_writable_file(Path(args.out), '--out')  # before a possibly long build and trace
     model, trained_size = _model(args)
     size = tuple(args.input_size) if args.input_size else trained_size or input_size_of(model)
     t0 = time.perf_counter()

@@ -49,8 +49,10 @@ def run(args) -> int:
             print(f'{plot_curves(d)}')
     except RuntimeError as e:  # matplotlib missing
         raise CliError(str(e)) from None
-    except (ValueError, KeyError) as e:  # an empty or hand-edited metrics.csv
-        raise CliError(f'{d / "metrics.csv"}: cannot plot it ({type(e).__name__}: {e})') from None
+    except ValueError as e:  # an empty metrics.csv ('no rows yet'), or a hand-edited one
+        raise CliError(str(e) if str(d) in str(e) else f'{d / "metrics.csv"}: cannot plot it ({e})') from None
+    except KeyError as e:
+        raise CliError(f'{d / "metrics.csv"}: no column {e}; not a vitblocks metrics file') from None
     except OSError as e:
         raise CliError(f'{d}: cannot write curves.png there ({e.strerror or e})') from None
     finished = [d for d in dirs if (d / 'results.json').is_file()]

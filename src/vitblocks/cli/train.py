@@ -91,7 +91,7 @@ def build_config(args):
         placed = sorted(k for k in ('output', 'name', 'initial_checkpoint') if k in overrides)
         if placed:
             raise CliError(f'--resume {args.resume} continues that folder from its own weights; drop '
-                           f'{", ".join(placed)}')
+                           f'{", ".join("--" + k.replace("_", "-") for k in placed)}')
         # data may move: the trainer checks the new path holds the same dataset (classes, split sizes)
         changed = sorted(k for k, v in overrides.items()
                          if k not in RESUME_CHANGEABLE | {'data'} and getattr(saved, k) != v)

@@ -157,7 +157,9 @@ def _read_yaml_mapping(path: Path, what: str) -> Dict[str, Any]:
     try:
         data = yaml_load(path.read_text(encoding='utf-8')) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f'{path}: not valid YAML ({" ".join(str(e).split())})') from None
+        mark = getattr(e, 'problem_mark', None)
+        where = f'line {mark.line + 1}, column {mark.column + 1}: ' if mark else ''
+        raise ConfigError(f'{path}: not valid YAML ({where}{getattr(e, "problem", None) or e})') from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f'{path}: cannot read it ({e})') from None
     if not isinstance(data, dict):
