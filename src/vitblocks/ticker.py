@@ -36,10 +36,10 @@ class Ticker:
                 self._line(now)
 
     def _line(self, now: float) -> None:
-        rate = self.done / max(now - self._t0, 1e-9)
+        elapsed = now - self._t0
         of = f'/{self.total}' if self.total else ''
-        eta = f', ETA {int((self.total - self.done) / rate)} s' if self.total and rate > 0 else ''
-        print(f'{self.desc}: {self.done}{of} {self.unit} ({rate:.1f} {self.unit}/s{eta})', file=sys.stderr, flush=True)
+        eta = f', about {elapsed * (self.total - self.done) / self.done:.0f} s left' if self.total and self.done else ''
+        print(f'{self.desc}: {self.done}{of} {self.unit} in {elapsed:.0f} s{eta}', file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
