@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 import yaml
 
-from .schema import RULES, SchemaError, check_auto_augment, coerce, yaml_load
+from .schema import SchemaError, check_auto_augment, coerce, yaml_load
 
 __all__ = ['TrainConfig', 'ConfigError', 'RESUME_CHANGEABLE', 'load_recipe', 'list_recipes', 'recipe_path', 'merge',
            'parse_overrides', 'save_config', 'load_config', 'check_resume_config']

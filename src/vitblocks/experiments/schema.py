@@ -7,6 +7,7 @@ writes them: ``'5e-4'`` and ``1`` are numbers for a float key (PyYAML reads ``5e
 without a dot as a string, YAML 1.1), ``'false'`` / ``'no'`` are False for a bool key
 (a non-empty string is otherwise truthy in Python, the silent bug this replaces).
 """
+import difflib
 import re
 import typing
 from typing import Any, Callable, Dict, Optional, Sequence
@@ -50,6 +51,8 @@ def _describe(tp) -> str:
         return f'a list of {_describe(args[0])}s'
     if origin is dict:
         return 'a mapping'
+    if origin is typing.Literal:
+        return 'one of ' + ', '.join(map(str, args))
     return {bool: 'true/false', int: 'an integer', float: 'a number', str: 'a string'}.get(tp, str(tp))
 
 
@@ -69,6 +72,10 @@ def _coerce_type(value: Any, tp) -> Any:
         raise TypeError
     if tp is Any:
         return value
+    if origin is typing.Literal:  # a key typed Literal['a', 'b'] needs no rule
+        if value in args:
+            return value
+        raise TypeError
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise TypeError
@@ -145,7 +152,6 @@ def _one_of(choices: Sequence[str]) -> Callable[[Any], str]:
     def check(v):
         if v in choices:
             return ''
-        import difflib
         close = difflib.get_close_matches(str(v), list(choices), n=3, cutoff=0.6)
         hint = f' (did you mean {", ".join(close)}?)' if close else ''
         return f'one of {", ".join(choices)}{hint}' if len(choices) <= 12 else \
@@ -169,12 +175,12 @@ def _device(v: str) -> str:
     return ''
 
 
-def _list_len(n: int, item_rule: Optional[Callable[[Any], str]] = None) -> Callable[[Any], str]:
+def _list_len(n: int, item_rule: Callable[[Any], str]) -> Callable[[Any], str]:
     def check(v):
         if len(v) != n:
             return f'a list of {n} values'
-        return next((f'a list of {n} values, each {p[len("a "):] if p.startswith("a ") else p}'
-                     for p in (item_rule(x) for x in v) if p), '') if item_rule else ''
+        bad = [p for p in map(item_rule, v) if p]
+        return f'a list of {n} values, each {bad[0]}' if bad else ''
     return check
 
 
