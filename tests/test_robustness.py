@@ -15,7 +15,7 @@ import yaml
 
 import vitblocks.cli as cli
 from vitblocks.cli import list_models as list_cmd
-from vitblocks.experiments import CheckpointError, Trainer, load_checkpoint, merge, save_checkpoint, train
+from vitblocks.experiments import CheckpointError, Trainer, load_checkpoint, merge, save_checkpoint
 from vitblocks.experiments.config import ConfigError, load_recipe, parse_overrides
 from vitblocks.experiments.setup import load_initial_weights
 from vitblocks.profile import count_macs, fixed_threads, input_size_of

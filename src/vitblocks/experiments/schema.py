@@ -10,7 +10,7 @@ without a dot as a string, YAML 1.1), ``'false'`` / ``'no'`` are False for a boo
 import difflib
 import re
 import typing
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 import yaml
 
