@@ -4,6 +4,7 @@ Each command is one module with ``add_parser(subparsers)`` and ``run(args) -> ex
 User errors (unknown model, paper, table, bad argument) print one line on stderr and exit 2.
 """
 import argparse
+import os
 import sys
 import textwrap
 from typing import List, Optional
@@ -59,7 +60,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Run ``vitblocks`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        # KEY=VALUE overrides may come anywhere, also after a flag (`--epochs 1 lr=5e-4 --threads 2`)
+        stray = [a for a in extra if a.startswith('-') or '=' not in a or not hasattr(args, 'overrides')]
+        if stray:
+            parser.error(f'unrecognized arguments: {" ".join(stray)}')
+        if extra:
+            args.overrides = list(args.overrides or []) + extra
     except SystemExit as e:  # --help / --version (0) or a usage error (2), already printed
         return e.code if isinstance(e.code, int) else 0
     try:
@@ -71,3 +78,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f'vitblocks {args.command}: interrupted', file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `vitblocks eval ... | head`: the reader left; say nothing more
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        except OSError:
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe

@@ -3,8 +3,8 @@ import torch
 from timm.utils import reparameterize_model
 
 from ..profile import benchmark_models, input_size_of
-from .common import (CliError, build_model, non_negative_int, parse_block_cfg, positive_int, render_table,
-                     resolve)
+from .common import (CliError, add_model_size_args, build_model, model_size_kwargs, non_negative_int, parse_block_cfg,
+                     positive_int, render_table, resolve)
 
 NAME = 'bench'
 
@@ -13,6 +13,9 @@ examples:
   vitblocks bench iffn_deit_tiny_patch16_224 --baseline deit_tiny_patch16_224
   vitblocks bench iffn_deit_tiny_patch16_224 --baseline deit_tiny_patch16_224 --reparam --batch-size 8 --threads 1
   vitblocks bench iffn_poolformer_s12 --train --batch-size 16 --repeats 5
+  vitblocks bench deit_tiny_patch16_224 --img-size 32 --num-classes 10 --batch-size 64
+
+--num-classes / --img-size build MODEL and the baseline alike.
 
 Models run one timed batch each per round (interleaved), so machine drift hits them alike.
 Times are wall-clock ms per batch (median, p10, p90 over --repeats batches); images/s is
@@ -34,7 +37,8 @@ def add_parser(subparsers) -> None:
                    help='untimed batches per model (default 3)')
     p.add_argument('--repeats', type=positive_int, metavar='N', default=10, help='timed batches per model (default 10)')
     p.add_argument('--input-size', nargs=3, type=positive_int, metavar=('C', 'H', 'W'),
-                   help='input size (default: the model\'s pretrained config, usually 3 224 224)')
+                   help='input size (default: what the model was built for, usually 3 224 224)')
+    add_model_size_args(p)
     p.add_argument('--reparam', action='store_true',
                    help='deploy every model first with timm.utils.reparameterize_model (calls fuse(); IFFN folds '
                         'its BatchNorm into the depthwise conv)')
@@ -52,9 +56,10 @@ def run(args) -> int:
         raise CliError(f'--device {args.device}: CUDA is not available here; use --device cpu')
     if args.reparam and args.train:
         raise CliError('--reparam gives an inference-only model; drop --train or --reparam')
-    models = {name: build_model(name, parse_block_cfg(args.block_cfg))}
+    size_kwargs = model_size_kwargs(args)
+    models = {name: build_model(name, parse_block_cfg(args.block_cfg), size_kwargs)}
     if baseline:
-        models[f'{baseline} (baseline)'] = build_model(baseline)
+        models[f'{baseline} (baseline)'] = build_model(baseline, base_kwargs=size_kwargs)
     if args.reparam:
         models = {k: reparameterize_model(m.eval()) for k, m in models.items()}
     size = tuple(args.input_size) if args.input_size else input_size_of(models[name])

@@ -1,17 +1,20 @@
 """Shared CLI helpers: errors, the argument parser, building models by name, aligned tables."""
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import timm
 import yaml
 from torch import nn
 
+from ..experiments.schema import yaml_load
 from ..models import get_variant, list_models, resolve_model_name, swap_ffn
 
 __all__ = ['CliError', 'ArgumentParser', 'resolve', 'is_vitblocks_model', 'build_model', 'describe_model',
            'format_cfg', 'parse_block_cfg', 'positive_int', 'non_negative_int', 'render_table', 'progress',
-           'end_progress']
+           'end_progress', 'check_writable_dir', 'check_writable_file', 'add_model_size_args', 'model_size_kwargs']
 
 
 class CliError(Exception):
@@ -62,8 +65,57 @@ def parse_block_cfg(items: Optional[Sequence[str]]) -> Dict[str, Any]:
         key, sep, value = item.partition('=')
         if not sep or not key:
             raise CliError(f'--block-cfg expects KEY=VALUE, got {item!r} (e.g. --block-cfg kernel_size=7)')
-        cfg[key.strip()] = yaml.safe_load(value)
+        try:
+            cfg[key.strip()] = yaml_load(value)
+        except yaml.YAMLError:
+            raise CliError(f'--block-cfg {item}: cannot parse the value {value!r} (YAML)') from None
     return cfg
+
+
+def add_model_size_args(p) -> None:
+    """--num-classes / --img-size for commands that build a model from its name."""
+    p.add_argument('--num-classes', type=positive_int, metavar='N', help='classifier outputs (default: the model\'s)')
+    p.add_argument('--img-size', nargs='+', type=positive_int, metavar='PX',
+                   help='build the model for this image size: one value (square) or H W')
+
+
+def model_size_kwargs(args) -> Dict[str, Any]:
+    """timm.create_model kwargs from --num-classes / --img-size."""
+    out: Dict[str, Any] = {}
+    if args.num_classes is not None:
+        out['num_classes'] = args.num_classes
+    if args.img_size:
+        if len(args.img_size) > 2:
+            raise CliError(f'--img-size takes one value (square) or two (H W), got {len(args.img_size)}')
+        out['img_size'] = args.img_size[0] if len(args.img_size) == 1 else tuple(args.img_size)
+    return out
+
+
+def check_writable_dir(path: Path, what: str, shown: Optional[Path] = None) -> None:
+    """Fail now, with one line, if ``path`` (a folder, created later if missing) cannot be written.
+    ``shown``: the path the user gave, for the message (default ``path``)."""
+    path = Path(path)
+    shown = shown or path
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise CliError(f'{what} {shown}: {probe} is a file, not a folder')
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise CliError(f'{what} {shown}: cannot write into {probe} ({e.strerror or e}); pick another place') from None
+
+
+def check_writable_file(path: Path, what: str) -> None:
+    """Fail now if the file ``path`` cannot be written later (checked without touching it)."""
+    path = Path(path)
+    if path.is_dir():
+        raise CliError(f'{what} {path}: is a folder; give a file name')
+    check_writable_dir(path.parent, what, shown=path)
 
 
 def format_cfg(cfg: Dict[str, Any]) -> str:

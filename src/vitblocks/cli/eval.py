@@ -1,5 +1,6 @@
 """`vitblocks eval --model NAME --checkpoint PATH --data PATH [--reparam]`: accuracy, loss, speed."""
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from ..experiments.distributed import init_distributed
 from ..experiments.robustness import ROBUSTNESS_SETS, mean_corruption_error, robustness_sets
 from ..experiments.setup import DataSetup, create_model, make_loader, model_input_size, norm_stats, resolve_device
 from ..profile import count_macs, count_params
-from .common import CliError, positive_int, render_table, resolve
+from .common import CliError, check_writable_file, positive_int, render_table, resolve
 
 NAME = 'eval'
 
@@ -26,7 +27,9 @@ A vitblocks run checkpoint carries its model, classes and preprocessing (--model
 optional); other checkpoints (safetensors, timm .pth, bare state_dict) need --model, and
 KEY=VALUE config overrides such as model_kwargs='{img_size: 32}' if the model was built so.
 Top-5 is top-k with k = min(5, classes). images/s is measured over the whole evaluation
-(data pipeline included) on the chosen device. GMACs are counted for one image.
+(data pipeline included) on the chosen device. GMACs are counted for one image. val_subset=N
+evaluates the first N images only. The data's class names must be among the checkpoint's
+(an MNIST checkpoint on CIFAR-10 is refused); --split must name a split the data has.
 """
 
 
@@ -46,6 +49,8 @@ def add_parser(subparsers) -> None:
     p.add_argument('--workers', type=int, default=0)
     p.add_argument('--per-class', action='store_true', help='print the accuracy of every class')
     p.add_argument('--json', metavar='PATH', help='also write the results as JSON')
+    p.add_argument('--progress', choices=('auto', 'bar', 'log', 'none'), default='auto',
+                   help='progress of the evaluation on stderr: a bar on a terminal, else a line every 10 s (auto)')
     p.add_argument('overrides', nargs='*', metavar='KEY=VALUE', help='config keys, e.g. model_kwargs=... mean=...')
     p.set_defaults(run=run)
 
@@ -72,9 +77,39 @@ def _load(args):
     return merge(*layers), state, meta
 
 
+def _split_opened(dataset) -> str:
+    """The split a dataset was really opened as: '[test]' in a shard source, or the split folder's name."""
+    tag = re.search(r'\[(\w+)\]$', dataset.source)
+    return tag.group(1) if tag else Path(dataset.source.split(' (')[0]).name
+
+
+def _open_split(cfg, split: str, explicit: bool, classes):
+    """The eval split, refusing a different split than asked for, and data whose classes the checkpoint lacks."""
+    ds = build_dataset(cfg.data, split)
+    opened = _split_opened(ds)
+    same = {'val': 'validation', 'validation': 'val'}
+    if explicit and opened in ('train', 'val', 'validation', 'test') and opened not in (split, same.get(split)):
+        raise DataError(f'{cfg.data} has no {split!r} split (it fell back to {opened!r}); use --split {opened}')
+    if classes:
+        foreign = [c for c in ds.classes if c not in classes]
+        if foreign:
+            raise DataError(f'{cfg.data}: classes {foreign[:4]}{"..." if len(foreign) > 4 else ""} are not among the '
+                            f'{len(classes)} the checkpoint was trained on ({", ".join(map(str, classes[:4]))}, ...); '
+                            f'evaluate on the dataset it was trained on (add a classes.txt to shards without one)')
+        if list(ds.classes) != list(classes):  # a subset or another order: label indices as the checkpoint's
+            ds = build_dataset(cfg.data, split, classes=classes)
+    if cfg.val_subset:
+        if cfg.val_subset > len(ds):
+            raise DataError(f'val_subset={cfg.val_subset}: {ds.source} has only {len(ds)} images')
+        ds = ds.subset(range(cfg.val_subset))
+    return ds
+
+
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.json:
+        check_writable_file(Path(args.json), '--json')  # before the evaluation, not after it
     try:
         cfg, state, meta = _load(args)
         device = resolve_device(cfg.device)
@@ -87,7 +122,7 @@ def run(args) -> int:
             sets = robustness_sets(args.robustness, Path(cfg.data))
         else:
             split = args.split or eval_split_of(cfg.data)
-            ds = build_dataset(cfg.data, split, classes=classes)
+            ds = _open_split(cfg, split, args.split is not None, classes)
             num_classes = num_classes or ds.num_classes
             sets = [None]
         model = create_model(cfg, num_classes)
@@ -113,7 +148,8 @@ def run(args) -> int:
                              'tensor' if dataset.images is not None else 'pil')
             loader = make_loader(cfg, data, False, device, dist.rank, dist.world_size)
             res = evaluate(model, loader, dataset.num_classes, device,
-                           class_subset=rs.class_subset if rs else None)
+                           class_subset=rs.class_subset if rs else None,
+                           progress=args.progress if dist.is_main else 'none')
             results.append((rs, dataset, res))
     except (ConfigError, DataError, CheckpointError) as e:
         raise CliError(str(e)) from None
@@ -127,7 +163,7 @@ def run(args) -> int:
     out = {'model': cfg.model, 'checkpoint': str(args.checkpoint), 'reparam': args.reparam, 'params': params,
            'gmacs': macs.gmacs, 'input_size': list(size), 'results': {}}
     for rs, dataset, res in results:
-        label = rs.name if rs else f'{cfg.data} [{data.val_split}]'
+        label = rs.name if rs else dataset.source
         print(f'data     {label}: {res.num_images} images, {dataset.num_classes} classes')
         print(f'top-1    {res.top1:.2f}%   top-5 {res.top5:.2f}%   loss {res.loss:.4f}   '
               f'{res.images_per_s:.1f} images/s on {device}')
@@ -145,5 +181,9 @@ def run(args) -> int:
               f'{mce["mean"]:.2f}')
         out['mean_corruption_error'] = mce
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        try:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        except OSError as e:
+            raise CliError(f'--json {args.json}: cannot write it ({e.strerror or e}); the results are printed '
+                           f'above') from None
     return 0

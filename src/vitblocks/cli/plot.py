@@ -7,7 +7,7 @@ from ..experiments import ConfigError, load_config
 from ..experiments.plots import TradeoffPoint, plot_curves, plot_tradeoff, run_summary
 from ..experiments.setup import create_model, model_input_size
 from ..profile import benchmark_models, count_macs, fixed_threads
-from .common import CliError, positive_int
+from .common import CliError, check_writable_dir, positive_int
 
 NAME = 'plot'
 
@@ -42,11 +42,19 @@ def run(args) -> int:
     for d in dirs:
         if not (d / 'metrics.csv').is_file():
             raise CliError(f'{d}: not a run folder (no metrics.csv)')
+    if args.output:
+        check_writable_dir(Path(args.output), '--output')  # before any model is built and timed
     try:
         for d in dirs:
             print(f'{plot_curves(d)}')
     except RuntimeError as e:  # matplotlib missing
         raise CliError(str(e)) from None
+    except ValueError as e:  # an empty metrics.csv ('no rows yet'), or a hand-edited one
+        raise CliError(str(e) if str(d) in str(e) else f'{d / "metrics.csv"}: cannot plot it ({e})') from None
+    except KeyError as e:
+        raise CliError(f'{d / "metrics.csv"}: no column {e}; not a vitblocks metrics file') from None
+    except OSError as e:
+        raise CliError(f'{d}: cannot write curves.png there ({e.strerror or e})') from None
     finished = [d for d in dirs if (d / 'results.json').is_file()]
     if not finished:
         print('no finished run (results.json): no tradeoff plot')
@@ -74,8 +82,11 @@ def run(args) -> int:
             p.latency_ms = res[p.label].median_ms
         note = f'batch {args.latency_batch}, {args.device}'
     out = Path(args.output) if args.output else finished[0].parent
-    out.mkdir(parents=True, exist_ok=True)
-    path = plot_tradeoff(points, out / 'tradeoff.png', note)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        path = plot_tradeoff(points, out / 'tradeoff.png', note)
+    except OSError as e:
+        raise CliError(f'{out}: cannot write tradeoff.png there ({e.strerror or e})') from None
     for p in points:
         lat = f', {p.latency_ms:.1f} ms/batch' if p.latency_ms is not None else ''
         print(f'  {p.label}: top-1 {p.top1:.2f}%, {p.gmacs:.4f} GMACs{lat}')

@@ -7,7 +7,8 @@ from torch import nn
 
 from ..profile import count_macs, count_params, fixed_threads, input_size_of
 from .compare import COUNT_THREADS
-from .common import CliError, build_model, describe_model, parse_block_cfg, positive_int, render_table, resolve
+from .common import (CliError, add_model_size_args, build_model, describe_model, model_size_kwargs, parse_block_cfg,
+                     positive_int, render_table, resolve)
 
 NAME = 'profile'
 
@@ -17,6 +18,7 @@ examples:
   vitblocks profile iffn_poolformer_s12 --depth 3 --top 5
   vitblocks profile iffn_deit_tiny_patch16_224 --block-cfg kernel_size=7
   vitblocks profile iffn_poolformer_s12 --input-size 3 256 256
+  vitblocks profile deit_tiny_patch16_224 --img-size 384 --num-classes 10
 
 GMACs are multiply-accumulates of one image (FLOPs = 2 x MACs), attention matmuls included.
 "with norms" also counts LayerNorm/GroupNorm/BatchNorm as 2 MACs per element (1 without an
@@ -42,7 +44,8 @@ def add_parser(subparsers) -> None:
                                           'CPU, batch 1) and show where they go.', epilog=EPILOG)
     p.add_argument('model', help='timm or vitblocks model name (see `vitblocks list`)')
     p.add_argument('--input-size', nargs=3, type=positive_int, metavar=('C', 'H', 'W'),
-                   help='input size (default: the model\'s pretrained config, usually 3 224 224)')
+                   help='input size (default: what the model was built for, usually 3 224 224)')
+    add_model_size_args(p)
     p.add_argument('--depth', type=positive_int, metavar='N', default=2,
                    help='module depth of the "top modules" list: 1 = blocks, 2 = blocks.0 (default), '
                         '3 = blocks.0.mlp')
@@ -123,7 +126,7 @@ def run(args) -> int:
     name = resolve(args.model)
     block_cfg = parse_block_cfg(args.block_cfg)
     with torch.no_grad(), fixed_threads(COUNT_THREADS):
-        model = build_model(name, block_cfg)
+        model = build_model(name, block_cfg, model_size_kwargs(args))
         size = tuple(args.input_size) if args.input_size else input_size_of(model)
         try:
             with_norms = count_macs(model, input_size=size, include_norms=True)

@@ -1,11 +1,13 @@
 """`vitblocks train --model NAME --data PATH|NAME [--config RECIPE] [KEY=VALUE ...]`."""
+import os
+import sys
 from pathlib import Path
 
-from ..data import DataError
-from ..experiments import (CheckpointError, ConfigError, TrainingDiverged, list_recipes, load_config, load_recipe,
-                           merge, parse_overrides, train)
+from ..data import DataError, resolve_data_path
+from ..experiments import (CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, list_recipes,
+                           load_config, load_recipe, merge, parse_overrides, train)
 from ..experiments.config import RESUME_CHANGEABLE
-from .common import CliError, positive_int
+from .common import CliError, check_writable_dir, positive_int
 
 NAME = 'train'
 
@@ -15,13 +17,18 @@ examples:
       model_kwargs='{img_size: 28, patch_size: 4, in_chans: 1}'
   vitblocks train --model iffn_deit_tiny_patch16_224 --data /path/to/imagenet --config deit
   vitblocks train --resume runs/vit_tiny_patch16_224-mnist-ninformer          # after a crash or kill
+  vitblocks train --model vit_tiny_patch16_224 --data /path/to/cifar10 --config ninformer \
+      --initial-checkpoint runs/pretrained/best.pth --num-classes 10               # fine-tune
   torchrun --nproc_per_node 2 $(which vitblocks) train --model ... --data ... --config ninformer
 
 --data is a folder of WebDataset shards (.tar/.tar.gz), a shard pattern, a torchvision
 CIFAR/MNIST folder, an ImageNet train/val folder or any ImageFolder tree, or a dataset NAME
-looked up under $VITBLOCKS_DATA. Trailing KEY=VALUE pairs override any config key (YAML
-values; see vitblocks/experiments/config.py). The run folder (--output/--name) receives
-config.yaml, last.pth / best.pth (atomic), metrics.csv, results.json and tensorboard/.
+looked up under $VITBLOCKS_DATA; the run stores its absolute path. KEY=VALUE pairs (anywhere
+on the line) override any config key (YAML values; see vitblocks/experiments/config.py). The
+run folder (--output/--name) receives config.yaml, last.pth / best.pth (atomic, with a digest
+of their tensors checked on load), metrics.csv, results.json and tensorboard/. Ctrl-C or
+SIGTERM saves last.pth and prints the resume command. On --resume, --data may name the same
+dataset at a new place (its classes and split sizes must match the checkpoint's).
 """
 
 
@@ -46,6 +53,10 @@ def add_parser(subparsers) -> None:
     p.add_argument('--compile', action='store_true', default=None, help='torch.compile the model')
     p.add_argument('--no-amp', dest='amp', action='store_false', default=None, help='no autocast on CUDA')
     p.add_argument('--resume', metavar='RUN', help='continue the run in this folder (or from this last.pth)')
+    p.add_argument('--initial-checkpoint', metavar='PATH',
+                   help='start from these weights (a run\'s .pth, timm .pth, .safetensors); a classifier of another '
+                        'size is re-initialized')
+    p.add_argument('--num-classes', type=positive_int, help='classifier outputs (default: the dataset\'s)')
     p.add_argument('overrides', nargs='*', metavar='KEY=VALUE', help='config overrides, e.g. lr=5e-4 hflip=0')
     p.set_defaults(run=run)
 
@@ -55,7 +66,8 @@ def _flag_overrides(args) -> dict:
     for flag, key in (('model', 'model'), ('data', 'data'), ('epochs', 'epochs'), ('batch_size', 'batch_size'),
                       ('lr', 'lr'), ('max_steps', 'max_steps'), ('train_subset', 'train_subset'), ('device', 'device'),
                       ('threads', 'threads'), ('workers', 'workers'), ('seed', 'seed'), ('output', 'output'),
-                      ('name', 'name'), ('compile', 'compile'), ('amp', 'amp')):
+                      ('name', 'name'), ('compile', 'compile'), ('amp', 'amp'),
+                      ('initial_checkpoint', 'initial_checkpoint'), ('num_classes', 'num_classes')):
         value = getattr(args, flag)
         if value is not None:
             out[key] = value
@@ -65,6 +77,10 @@ def _flag_overrides(args) -> dict:
 def build_config(args):
     """(config, resume checkpoint or None) from the command line."""
     overrides = {**parse_overrides(args.overrides), **_flag_overrides(args)}
+    if overrides.get('data'):  # the run must find its data from any working directory (--resume elsewhere)
+        overrides['data'] = os.path.abspath(resolve_data_path(str(overrides['data'])))
+    if overrides.get('initial_checkpoint'):
+        overrides['initial_checkpoint'] = os.path.abspath(overrides['initial_checkpoint'])
     if args.resume:
         run = Path(args.resume)
         run_dir = run.parent if run.is_file() else run
@@ -72,7 +88,13 @@ def build_config(args):
         if not (run_dir / 'config.yaml').is_file():
             raise CliError(f'--resume {args.resume}: no config.yaml there; point to a vitblocks run folder')
         saved = load_config(run_dir / 'config.yaml')
-        changed = sorted(k for k, v in overrides.items() if k not in RESUME_CHANGEABLE and getattr(saved, k) != v)
+        placed = sorted(k for k in ('output', 'name', 'initial_checkpoint') if k in overrides)
+        if placed:
+            raise CliError(f'--resume {args.resume} continues that folder from its own weights; drop '
+                           f'{", ".join("--" + k.replace("_", "-") for k in placed)}')
+        # data may move: the trainer checks the new path holds the same dataset (classes, split sizes)
+        changed = sorted(k for k, v in overrides.items()
+                         if k not in RESUME_CHANGEABLE | {'data'} and getattr(saved, k) != v)
         if changed:
             raise CliError(f'--resume keeps the run\'s config; cannot change {", ".join(changed)} (only '
                            f'{", ".join(sorted(RESUME_CHANGEABLE))}); start a new run instead')
@@ -82,7 +104,9 @@ def build_config(args):
     if not args.model or not args.data:
         raise CliError('--model and --data are required (or --resume RUN)')
     recipe = load_recipe(args.config) if args.config else {}
-    return merge(recipe, overrides), None
+    cfg = merge(recipe, overrides)
+    check_writable_dir(Path(cfg.output), '--output')  # before the data is decoded, not after
+    return cfg, None
 
 
 def run(args) -> int:
@@ -92,9 +116,11 @@ def run(args) -> int:
     except (ConfigError, DataError, CheckpointError) as e:
         raise CliError(str(e)) from None
     except TrainingDiverged as e:
-        import sys
         print(f'vitblocks train: stopped: {e}', file=sys.stderr)
         return 1
+    except TrainingInterrupted as e:
+        print(f'vitblocks train: stopped by {e}', file=sys.stderr)
+        return 130
     f = result.final
     print(f'run      {result.run_dir}')
     print(f'trained  {result.global_step} steps ({result.epochs_done:.2f} epochs) in {result.seconds:.0f} s')

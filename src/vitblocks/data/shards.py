@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from ..ticker import Ticker
 from .base import DataError, ImageDataset, array_to_pil, to_pil
 from .shard_index import MAX_OPEN_SHARDS, OpenShards, cached_index
 
@@ -261,8 +262,13 @@ class ShardDataset(ImageDataset):
         key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.shards)
         if key in _MEMORY_CACHE:
             return _MEMORY_CACHE[key]
+        ticker = Ticker(len(self.shards), 'shards', f'decoding {self.source}', interval_s=5.0)
         with ThreadPoolExecutor(max_workers=min(len(self.shards), os.cpu_count() or 1)) as pool:
-            parts = list(pool.map(_read_shard, self.shards))
+            parts = []
+            for part in pool.map(_read_shard, self.shards):  # in order; each finished shard ticks
+                parts.append(part)
+                ticker.update(1)
+        ticker.close()
         for shard, (imgs, _, _) in zip(self.shards, parts):
             self._check_count(shard, len(imgs))
         arrays = [a for imgs, _, _ in parts for a in imgs]

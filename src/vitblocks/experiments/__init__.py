@@ -11,7 +11,8 @@ from .config import (ConfigError, TrainConfig, list_recipes, load_config, load_r
                      recipe_path)
 from .engine import RunResult, Trainer, TrainingDiverged, default_run_name, train
 from .evaluate import EvalResult, evaluate
+from .interrupt import TrainingInterrupted
 
 __all__ = ['TrainConfig', 'ConfigError', 'merge', 'load_recipe', 'list_recipes', 'recipe_path', 'parse_overrides',
            'load_config', 'train', 'Trainer', 'RunResult', 'TrainingDiverged', 'default_run_name', 'evaluate',
-           'EvalResult', 'CheckpointError', 'save_checkpoint', 'load_checkpoint', 'load_model_weights']
+           'EvalResult', 'TrainingInterrupted', 'CheckpointError', 'save_checkpoint', 'load_checkpoint', 'load_model_weights']

@@ -10,6 +10,7 @@ from ..data import DataError
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
 from .engine import TrainingDiverged, default_run_name, train
+from .interrupt import TrainingInterrupted
 
 
 def main(argv=None) -> int:
@@ -29,6 +30,9 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, CheckpointError, TrainingDiverged) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
+    except TrainingInterrupted as e:
+        print(f'stopped by {e}', file=sys.stderr)
+        return 130
     if result.final is not None:
         print(f'{result.run_dir}: top-1 {result.final.top1:.2f}% after {result.global_step} steps')
     return 0

@@ -3,11 +3,15 @@
 A training checkpoint is a plain dict of tensors, numbers, strings, lists and dicts (RNG
 states included, converted to tensors), so ``torch.load(weights_only=True)`` reads it. It is
 written to a temporary file in the same folder, flushed and fsynced, then renamed over the
-old one: a run killed while saving leaves the previous checkpoint intact.
+old one: a run killed while saving leaves the previous checkpoint intact. It also stores a
+SHA-256 digest of every tensor it holds (``tensor_digest``), checked on every load: torch's zip
+reader does not notice flipped bytes inside a tensor, which would otherwise load as silently
+wrong weights.
 
 Model weights for evaluation are also read from ``.safetensors`` files and from the usual
 timm / plain ``state_dict`` layouts.
 """
+import hashlib
 import os
 import random
 import tempfile
@@ -18,7 +22,7 @@ import numpy as np
 import torch
 
 __all__ = ['CheckpointError', 'save_checkpoint', 'load_checkpoint', 'load_model_weights', 'read_checkpoint',
-           'rng_state', 'set_rng_state', 'FORMAT']
+           'rng_state', 'set_rng_state', 'tensor_digest', 'FORMAT']
 
 FORMAT = 'vitblocks-train-checkpoint-v1'
 
@@ -27,21 +31,60 @@ class CheckpointError(ValueError):
     """A missing, truncated, foreign or mismatched checkpoint (the message names the file)."""
 
 
+def tensor_digest(obj: Any) -> str:
+    """SHA-256 over every tensor in ``obj`` (nested dicts/lists), with its place, dtype and shape."""
+    h = hashlib.sha256()
+
+    def walk(o: Any, where: str) -> None:
+        if isinstance(o, torch.Tensor):
+            t = o.detach().cpu().contiguous()
+            h.update(f'{where}|{t.dtype}|{tuple(t.shape)}|'.encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # the raw bytes, any dtype
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, f'{where}/{k}')
+        elif isinstance(o, (list, tuple)):
+            for i, v in enumerate(o):
+                walk(v, f'{where}/{i}')
+
+    walk(obj, '')
+    return 'sha256:' + h.hexdigest()
+
+
+def verify_digest(ckpt: Any, path: Path) -> None:
+    """Raise CheckpointError if ``ckpt`` carries a ``tensor_digest`` its tensors do not match."""
+    if not isinstance(ckpt, dict) or 'tensor_digest' not in ckpt:
+        return  # written by torch.save or an older vitblocks: nothing to check against
+    stored = ckpt['tensor_digest']
+    if tensor_digest({k: v for k, v in ckpt.items() if k != 'tensor_digest'}) != stored:
+        raise CheckpointError(f'{path}: corrupt: its tensors do not match the digest stored when it was written '
+                              f'(bytes changed on disk or in a copy); use another checkpoint (best.pth, a backup) '
+                              f'or re-copy the file')
+
+
 def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
+    state = {'format': FORMAT, **state}
+    state['tensor_digest'] = tensor_digest(state)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
+    except OSError as e:
+        raise CheckpointError(f'{path}: cannot write a checkpoint there ({e.strerror or e})') from None
     try:
         with os.fdopen(fd, 'wb') as f:
-            torch.save({'format': FORMAT, **state}, f)
+            torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):  # a full disk, a quota, a vanished folder
+            kept = 'the previous checkpoint is intact' if path.exists() else 'no checkpoint was written'
+            raise CheckpointError(f'{path}: cannot write the checkpoint ({e.strerror or e}); {kept}') from None
         raise
 
 
@@ -52,7 +95,7 @@ def read_checkpoint(path: Path) -> Any:
     if path.stat().st_size == 0:
         raise CheckpointError(f'{path}: empty file (a checkpoint cut off while being written?)')
     try:
-        return torch.load(path, map_location='cpu', weights_only=True)
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # zip reader errors, EOF, unpickling refused by weights_only, ...
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if 'weights_only' in str(e) or 'Unsupported global' in str(e):
@@ -61,6 +104,8 @@ def read_checkpoint(path: Path) -> Any:
                                   f'(weights_only=True)') from None
         raise CheckpointError(f'{path}: not a readable PyTorch checkpoint; truncated or corrupt? '
                               f'({type(e).__name__}: {msg[:200]})') from None
+    verify_digest(ckpt, path)
+    return ckpt
 
 
 def load_checkpoint(path: Union[str, Path]) -> Dict[str, Any]:

@@ -6,14 +6,17 @@ resumes the run (``python -m vitblocks.experiments <run dir>/config.yaml``).
 """
 import dataclasses
 import difflib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 import yaml
 
-__all__ = ['TrainConfig', 'ConfigError', 'RESUME_CHANGEABLE', 'load_recipe', 'list_recipes', 'recipe_path', 'merge', 'parse_overrides',
-           'save_config', 'load_config']
+from .schema import SchemaError, check_auto_augment, coerce, yaml_load
+
+__all__ = ['TrainConfig', 'ConfigError', 'RESUME_CHANGEABLE', 'load_recipe', 'list_recipes', 'recipe_path', 'merge',
+           'parse_overrides', 'save_config', 'load_config', 'check_resume_config']
 
 RECIPE_DIR = Path(__file__).parent / 'recipes'
 
@@ -21,6 +24,9 @@ RECIPE_DIR = Path(__file__).parent / 'recipes'
 RESUME_CHANGEABLE = frozenset({'epochs', 'max_steps', 'workers', 'threads', 'progress', 'log_interval',
                                'checkpoint_interval', 'eval_interval', 'tensorboard', 'device',
                                'compile', 'compile_mode', 'resume', 'channels_last', 'grad_accum'})
+# keys that say where a run lives or reads from, not what it computes: a resumed run may differ in them
+# (``data`` only when the dataset is the same one, checked against the checkpoint's dataset manifest)
+RESUME_LOCATION = frozenset({'data', 'output', 'name', 'initial_checkpoint'})
 
 
 class ConfigError(ValueError):
@@ -34,6 +40,7 @@ class TrainConfig:
     data: str = ''                  # dataset path or name (see vitblocks.data.build_dataset)
     recipe: str = ''                # the recipe it came from (informational)
     model_kwargs: Dict[str, Any] = field(default_factory=dict)  # extra timm.create_model kwargs
+    initial_checkpoint: Optional[str] = None  # start from these weights (fine-tuning; a differing head is re-initialized)
     drop_rate: Optional[float] = None       # timm drop_rate (head dropout), passed only when set
     drop_path_rate: Optional[float] = None  # stochastic depth, passed only when set
     mlp_drop: Optional[float] = None        # dropout after every MLP layer (see setup.mlp_dropout_kwargs)
@@ -122,12 +129,7 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_CHOICES = {'compile_mode': ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'),
-            'pipeline': ('auto', 'tensor', 'pil'), 'progress': ('auto', 'bar', 'log', 'none'),
-            'amp_dtype': ('bfloat16', 'float16'), 'clip_mode': ('norm', 'value', 'agc'),
-            'mixup_mode': ('batch', 'pair', 'elem'),
-            'dist_bn': ('reduce', 'broadcast', 'none')}
-_POSITIVE = ('epochs', 'batch_size', 'log_interval', 'eval_interval', 'lr_base_size', 'grad_accum')
+_TYPES = typing.get_type_hints(TrainConfig)  # the schema: each key's type (vitblocks.experiments.schema.RULES: ranges)
 
 
 def list_recipes() -> List[str]:
@@ -151,14 +153,24 @@ def recipe_path(name_or_path: str) -> Path:
 def load_recipe(name_or_path: str) -> Dict[str, Any]:
     """The settings of a recipe (by name or path), checked against the config's keys."""
     path = recipe_path(name_or_path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding='utf-8')) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f'{path}: not valid YAML ({e})') from None
-    if not isinstance(data, dict):
-        raise ConfigError(f'{path}: a recipe is a mapping of config keys, got {type(data).__name__}')
+    data = _read_yaml_mapping(path, 'a recipe')
     data.setdefault('recipe', path.stem)
     _check_keys(data, str(path))
+    return _check_values(data, str(path))
+
+
+def _read_yaml_mapping(path: Path, what: str) -> Dict[str, Any]:
+    try:
+        data = yaml_load(path.read_text(encoding='utf-8')) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, 'problem_mark', None)
+        where = f'line {mark.line + 1}, column {mark.column + 1}: ' if mark else ''
+        raise ConfigError(f'{path}: not valid YAML ({where}{getattr(e, "problem", None) or e})') from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f'{path}: cannot read it ({e})') from None
+    if not isinstance(data, dict):
+        raise ConfigError(f'{path}: {what} is a mapping of config keys (key: value lines), got '
+                          f'{type(data).__name__}')
     return data
 
 
@@ -170,11 +182,11 @@ def parse_overrides(items: List[str]) -> Dict[str, Any]:
         if not sep or not key.strip():
             raise ConfigError(f'overrides are KEY=VALUE, got {item!r} (e.g. lr=1e-3 epochs=5)')
         try:
-            out[key.strip()] = yaml.safe_load(value)
+            out[key.strip()] = yaml_load(value)
         except yaml.YAMLError:
             raise ConfigError(f'{key}: cannot parse value {value!r}') from None
     _check_keys(out, 'command line')
-    return out
+    return _check_values(out, 'command line')
 
 
 def merge(*layers: Mapping[str, Any]) -> TrainConfig:
@@ -187,7 +199,7 @@ def merge(*layers: Mapping[str, Any]) -> TrainConfig:
             else:
                 values[k] = v
     _check_keys(values, 'config')
-    cfg = TrainConfig(**values)
+    cfg = TrainConfig(**_check_values(values, 'config'))
     _validate(cfg)
     return cfg
 
@@ -200,38 +212,23 @@ def _check_keys(data: Mapping[str, Any], where: str) -> None:
             raise ConfigError(f'{where}: unknown config key {key!r}.{hint}')
 
 
+def _check_values(data: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """Every value coerced to its key's type and checked against its rule (one error, naming the key)."""
+    out = {}
+    for key, value in data.items():
+        try:
+            out[key] = coerce(key, value, _TYPES[key])
+        except SchemaError as e:
+            raise ConfigError(str(e) if where in ('config', 'command line') else f'{where}: {e}') from None
+    return out
+
+
 def _validate(cfg: TrainConfig) -> None:
-    for key, choices in _CHOICES.items():
-        if getattr(cfg, key) not in choices:
-            raise ConfigError(f'{key}={getattr(cfg, key)!r}: expected one of {", ".join(choices)}')
-    for key in _POSITIVE:
-        v = getattr(cfg, key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f'{key}={v!r}: expected a positive integer')
-    for key in ('lr', 'lr_base', 'weight_decay', 'smoothing', 'mixup', 'cutmix', 'reprob', 'hflip', 'vflip',
-                'warmup_epochs', 'min_lr', 'warmup_lr', 'clip_grad', 'drop_rate', 'drop_path_rate', 'mlp_drop'):
-        v = getattr(cfg, key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-            raise ConfigError(f'{key}={v!r}: expected a non-negative number')
-    for key in ('max_steps', 'train_subset', 'val_subset', 'threads'):
-        v = getattr(cfg, key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ConfigError(f'{key}={v!r}: expected a positive integer (or null)')
-    for key in ('checkpoint_interval', 'workers'):
-        v = getattr(cfg, key)
-        if not isinstance(v, int) or v < 0:
-            raise ConfigError(f'{key}={v!r}: expected an integer >= 0')
-    for key in ('mean', 'std'):
-        v = getattr(cfg, key)
-        if isinstance(v, str) and v not in ('model', 'dataset'):
-            raise ConfigError(f"{key}={v!r}: expected 'model', 'dataset' or a list of per-channel values")
-    if cfg.input_size is not None and (len(cfg.input_size) != 3 or cfg.input_size[0] not in (1, 3)):
-        raise ConfigError(f'input_size={cfg.input_size}: expected [C, H, W] with C = 1 or 3')
-    if cfg.resume not in (None, 'auto'):
-        raise ConfigError(f"resume={cfg.resume!r}: expected 'auto' (or null); to resume a given run use "
-                          f"vitblocks train --resume RUN")
-    if not isinstance(cfg.model_kwargs, dict):
-        raise ConfigError(f'model_kwargs must be a mapping, got {cfg.model_kwargs!r}')
+    """Checks that involve more than one key (single values are checked by the schema)."""
+    if cfg.auto_augment:
+        problem = check_auto_augment(cfg.auto_augment, random_resized_crop=cfg.scale is not None)
+        if problem:
+            raise ConfigError(f'auto_augment={cfg.auto_augment!r}: expected {problem}')
 
 
 def save_config(cfg: TrainConfig, path: Path, header: str = '') -> None:
@@ -243,8 +240,19 @@ def load_config(path: Union[str, Path]) -> TrainConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f'{path}: no such config file')
-    data = yaml.safe_load(path.read_text(encoding='utf-8')) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f'{path}: expected a mapping of config keys')
+    data = _read_yaml_mapping(path, 'a run config')
     _check_keys(data, str(path))
+    _check_values(data, str(path))
     return merge(data)
+
+
+def check_resume_config(cfg: TrainConfig, saved: Mapping[str, Any], path: Union[str, Path]) -> None:
+    """Refuse to resume when ``cfg`` (e.g. from an edited or truncated config.yaml) differs from the
+    config stored in the checkpoint ``path`` in a key that changes what is computed."""
+    free = RESUME_CHANGEABLE | RESUME_LOCATION
+    changed = sorted(k for k, v in saved.items() if k in _FIELDS and k not in free and getattr(cfg, k) != v)
+    if changed:
+        diff = ', '.join(f'{k}: {saved[k]!r} -> {getattr(cfg, k)!r}' for k in changed[:4])
+        raise ConfigError(f'{path} was trained with another config ({diff}{", ..." if len(changed) > 4 else ""}); '
+                          f'resume with the config stored in the checkpoint (restore config.yaml), or start a '
+                          f'new run')

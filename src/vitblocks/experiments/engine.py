@@ -29,12 +29,14 @@ from torch import nn
 from ..data import derive_seed
 from ..profile import count_params
 from .checkpoint import CheckpointError, rng_state, save_checkpoint, set_rng_state
-from .config import ConfigError, TrainConfig, save_config
+from .config import ConfigError, TrainConfig, check_resume_config, save_config
 from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, init_distributed, sync_batchnorm_stats
 from .evaluate import EvalResult, evaluate
+from .interrupt import StopRequest, TrainingInterrupted
 from .resume import auto_resume_checkpoint, load_on_every_rank
-from .runlog import MetricsLog, Progress
-from .setup import create_model, make_loader, resolve_device, setup_data
+from .runlog import MetricsLog, Progress, remove_stale_temporaries
+from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader,
+                    resolve_device, setup_data)
 
 __all__ = ['train', 'TrainingDiverged', 'RunResult', 'default_run_name', 'Trainer']
 
@@ -90,9 +92,16 @@ class Trainer:
             resume = auto_resume_checkpoint(Path(run_dir) if run_dir is not None else
                                             Path(cfg.output) / (cfg.name or default_run_name(cfg)))
         ckpt = load_on_every_rank(resume, cfg)
+        if ckpt is not None:
+            check_resume_config(cfg, ckpt.get('config', {}), resume)
         self.model = model if model is not None else create_model(cfg, cfg.num_classes or self._peek_classes())
+        self._notes = []
+        if ckpt is None and cfg.initial_checkpoint:
+            self._notes.append(load_initial_weights(self.model, cfg.initial_checkpoint))
         self.num_classes = _num_outputs(self.model, cfg)
         self.data = setup_data(cfg, self.model, self.num_classes)
+        if ckpt is not None and ckpt.get('config', {}).get('data', cfg.data) != cfg.data:
+            check_same_dataset(ckpt.get('dataset'), self.data, ckpt['config']['data'], cfg.data)
         self.train_loader = make_loader(cfg, self.data, True, self.device, self.dist.rank, self.dist.world_size)
         self.val_loader = make_loader(cfg, self.data, False, self.device, self.dist.rank, self.dist.world_size)
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum  # optimizer steps
@@ -161,12 +170,14 @@ class Trainer:
         self._last_loss = float('nan')
         self._window = (0.0, 0)  # (loss sum, steps) since the last metrics row
         self.run_dir = self._make_run_dir(run_dir, resume, ckpt)
-        self.log = MetricsLog(self.run_dir, cfg.tensorboard) if self.dist.is_main else None
+        self.log = MetricsLog(self.run_dir, cfg.tensorboard, fresh=ckpt is None) if self.dist.is_main else None
         if ckpt is not None:
             self._restore(ckpt, resume)
         self.progress = Progress(cfg.progress, self.dist.is_main, self.total_steps, self.global_batch)
         if self.log is not None and self.log.tb_note:
             self.progress.message(self.log.tb_note)
+        for note in self._notes:
+            self.progress.message(note)
 
     # --- setup helpers -----------------------------------------------------------------------------
     def _peek_classes(self) -> int:
@@ -187,6 +198,8 @@ class Trainer:
                          f'or pick another --name / --output')
             else:
                 path.mkdir(parents=True, exist_ok=True)
+                self._notes += [f'removed {p.name}, left by a write that was killed' for p in
+                                remove_stale_temporaries(path)]
                 # on resume too: a longer budget or other logging settings are part of the run from now on
                 save_config(self.cfg, path / 'config.yaml',
                             header=f'resolved config of run {path.name}\nresume: vitblocks train --resume {path}\n'
@@ -252,6 +265,7 @@ class Trainer:
             'log_window': list(self._window),
             'config': self.cfg.to_dict(), 'num_classes': self.num_classes, 'classes': list(self.data.train.classes),
             'input_size': list(self.data.input_size), 'mean': list(self.data.mean), 'std': list(self.data.std),
+            'dataset': dataset_manifest(self.data),
         }
 
     def save(self, name: str = 'last.pth', state: Optional[Dict[str, Any]] = None) -> None:
@@ -322,8 +336,9 @@ class Trainer:
                                   f'{self.data.train.describe()}; {self.steps_per_epoch} steps/epoch x {cfg.epochs} '
                                   f'epochs, batch {self.global_batch}, {self.data.pipeline} pipeline, {self.device}'
                                   + (f', from step {self.global_step}' if self.global_step else ''))
-        while self.epoch < cfg.epochs and self.global_step < self.total_steps:
-            final, final_ema = self._run_epoch()
+        with StopRequest() as self._stop:
+            while self.epoch < cfg.epochs and self.global_step < self.total_steps:
+                final, final_ema = self._run_epoch()
         if final is None:  # stopped by max_steps right after an evaluation, or resumed at the very end
             final, final_ema = self._evaluate()
         barrier()
@@ -382,9 +397,23 @@ class Trainer:
             self._loss_n = 0
             self._last_loss = avg
         self.progress.update(self.global_step, self.epoch_step, self._running_loss, lr)
+        if self._stop_requested():
+            self.progress.end_epoch()
+            self._sync_window()
+            self.save()
+            raise TrainingInterrupted(self._stop.signal_name or 'a signal to another process', self.global_step,
+                                      self.run_dir)
         if cfg.checkpoint_interval and self.global_step % cfg.checkpoint_interval == 0 and not last_in_epoch:
             self._sync_window()
             self.save()
+
+    def _stop_requested(self) -> bool:
+        """A SIGINT/SIGTERM arrived (under DDP: on any rank, checked at log intervals only, to avoid a
+        collective per step)."""
+        stop = getattr(self, '_stop', None)
+        if stop is None or not self.dist.enabled:
+            return stop is not None and stop.signal_name is not None
+        return self.global_step % self.cfg.log_interval == 0 and self._any_rank(stop.signal_name is not None)
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any (so all processes stop together)."""
@@ -409,9 +438,10 @@ class Trainer:
 
     def _evaluate(self):
         sync_batchnorm_stats(self.model, 'none' if self.cfg.sync_bn else self.cfg.dist_bn)
-        res = evaluate(self.model, self.val_loader, self.num_classes, self.device, autocast=self.autocast())
-        res_ema = evaluate(self.ema.module, self.val_loader, self.num_classes, self.device, autocast=self.autocast()) \
-            if self.ema is not None else None
+        res = evaluate(self.model, self.val_loader, self.num_classes, self.device, autocast=self.autocast(),
+                       progress=self.progress.mode)
+        res_ema = evaluate(self.ema.module, self.val_loader, self.num_classes, self.device, autocast=self.autocast(),
+                           progress=self.progress.mode) if self.ema is not None else None
         if self.log is not None:
             for split, r in (('val', res), ('val_ema', res_ema)):
                 if r is not None:

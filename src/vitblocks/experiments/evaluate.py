@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ticker import Ticker
 from .distributed import all_reduce_sum
 
 __all__ = ['EvalResult', 'evaluate']
@@ -38,8 +39,10 @@ class EvalResult:
 
 @torch.inference_mode()
 def evaluate(model: nn.Module, loader, num_classes: int, device: torch.device, autocast=None,
-             class_subset: Optional[Sequence[int]] = None) -> EvalResult:
+             class_subset: Optional[Sequence[int]] = None, progress: str = 'none') -> EvalResult:
     """Evaluate ``model`` on one pass of ``loader`` (``loader.epoch(0)`` yields (images, labels)).
+
+    ``progress``: 'auto', 'bar', 'log' or 'none' (``vitblocks.ticker.Ticker``, counted in images).
 
     ``class_subset``: model output indices to keep, in label order (e.g. ImageNet-R's 200 of
     the 1000 ImageNet classes); labels then index the subset.
@@ -54,6 +57,8 @@ def evaluate(model: nn.Module, loader, num_classes: int, device: torch.device, a
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
+    order = getattr(loader, 'order', None)  # this rank's images, when the loader says
+    ticker = Ticker(len(order.indices(0)) if order is not None else None, 'img', 'evaluating', progress)
     for x, y in loader.epoch(0):
         with autocast or nullcontext():
             logits = model(x)
@@ -68,6 +73,8 @@ def evaluate(model: nn.Module, loader, num_classes: int, device: torch.device, a
         stats[3] += y.numel()
         correct.index_add_(0, y, hit[:, 0].double())
         total.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
+        ticker.update(y.numel())
+    ticker.close()
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0

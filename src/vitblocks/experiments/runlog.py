@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-__all__ = ['MetricsLog', 'Progress', 'read_metrics', 'METRIC_COLUMNS']
+__all__ = ['MetricsLog', 'Progress', 'read_metrics', 'remove_stale_temporaries', 'METRIC_COLUMNS']
 
 # one row per log interval (split=train) and per evaluation (split=val / val_ema)
 METRIC_COLUMNS = ['step', 'epoch', 'split', 'loss', 'top1', 'top5', 'lr', 'images_per_s', 'elapsed_s']
@@ -17,12 +17,14 @@ class MetricsLog:
     """Appends rows to ``metrics.csv`` (and TensorBoard scalars when the package is installed).
 
     ``truncate_after(step)`` drops rows written after a checkpoint, so a resumed run's file has
-    each step once, as an uninterrupted run's would.
+    each step once, as an uninterrupted run's would; ``fresh=True`` (a run starting from step 0)
+    drops every row a killed earlier attempt left. An evaluation row for a (step, split) that is
+    already in the file replaces it (a finished run resumed re-evaluates its last step).
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, fresh: bool = False):
         self.path = run_dir / 'metrics.csv'
-        if not self.path.exists():
+        if fresh or not self.path.exists():
             with open(self.path, 'w', newline='') as f:
                 csv.writer(f).writerow(METRIC_COLUMNS)
         self.tb = None
@@ -35,7 +37,9 @@ class MetricsLog:
                 self.tb_note = 'TensorBoard logging off: `pip install tensorboard` to enable it'
 
     def truncate_after(self, step: int) -> None:
-        rows = [r for r in read_metrics(self.path) if int(r['step']) <= step]
+        self._rewrite([r for r in read_metrics(self.path) if int(r['step']) <= step])
+
+    def _rewrite(self, rows: List[Dict[str, str]]) -> None:
         tmp = self.path.with_suffix('.csv.tmp')
         with open(tmp, 'w', newline='') as f:
             w = csv.DictWriter(f, METRIC_COLUMNS)
@@ -48,8 +52,14 @@ class MetricsLog:
         for k in METRIC_COLUMNS[3:]:
             v = values.get(k)
             row[k] = '' if v is None else f'{v:.6g}'
-        with open(self.path, 'a', newline='') as f:
-            csv.DictWriter(f, METRIC_COLUMNS).writerow(row)
+        rows = read_metrics(self.path) if split != 'train' else []
+        same = [i for i, r in enumerate(rows) if r['split'] == split and int(r['step']) == step]
+        if same:  # re-evaluated at the same step (a finished run resumed): one row per evaluation
+            rows[same[0]] = {k: str(v) for k, v in row.items()}
+            self._rewrite(rows)
+        else:
+            with open(self.path, 'a', newline='') as f:
+                csv.DictWriter(f, METRIC_COLUMNS).writerow(row)
         if self.tb is not None:
             for k, v in values.items():
                 if v is not None and k != 'elapsed_s':
@@ -58,6 +68,16 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def remove_stale_temporaries(run_dir: Path) -> List[Path]:
+    """Delete the temporary files of writes a killed process left (``.last.pth.*.tmp`` from
+    ``save_checkpoint``, ``metrics.csv.tmp``, ``results.json.tmp``); returns what was removed.
+    Call it only while no other process writes into ``run_dir``."""
+    stale = [p for pattern in ('.*.pth.*.tmp', '*.csv.tmp', '*.json.tmp') for p in run_dir.glob(pattern)]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
 
 
 def read_metrics(path: Path) -> List[Dict[str, str]]:

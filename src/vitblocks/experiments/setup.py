@@ -10,10 +10,11 @@ from ..data import (BatchTransform, DataError, EpochOrder, ImageDataset, PILLoad
                     build_pil_transform, dataset_mean_std, derive_seed, eval_split_of)
 from ..data.transforms import PIL_ONLY_AUGMENTS
 from ..models import resolve_model_name
+from ..profile import fixed_image_size, input_size_of
 from .config import ConfigError, TrainConfig
 
 __all__ = ['create_model', 'mlp_dropout_kwargs', 'model_input_size', 'norm_stats', 'DataSetup', 'setup_data',
-           'make_loader', 'resolve_device']
+           'make_loader', 'resolve_device', 'load_initial_weights', 'dataset_manifest', 'check_same_dataset']
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,20 +59,46 @@ def create_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
 
 
 def model_input_size(model: nn.Module, cfg: TrainConfig) -> Tuple[int, int, int]:
-    """(C, H, W) the model expects: ``cfg.input_size``, else what the built model says."""
+    """(C, H, W) the model takes: ``cfg.input_size`` (checked against a fixed-size model), else what
+    the built model says (``vitblocks.profile.input_size_of``, with ``model_kwargs`` img_size/in_chans)."""
+    fixed = fixed_image_size(model)
     if cfg.input_size:
-        return tuple(int(v) for v in cfg.input_size)
-    pre = tuple((getattr(model, 'pretrained_cfg', None) or {}).get('input_size', (3, 224, 224)))
-    chans = cfg.model_kwargs.get('in_chans')
-    if chans is None:
-        first_conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-        chans = first_conv.in_channels if first_conv is not None else pre[0]
-    pe = getattr(model, 'patch_embed', None)
-    size = getattr(pe, 'img_size', None)
-    if size is None or getattr(pe, 'dynamic_img_size', False):
-        size = cfg.model_kwargs.get('img_size', pre[1:])
-    size = (size, size) if isinstance(size, int) else tuple(size)
-    return int(chans), int(size[0]), int(size[1])
+        size = tuple(int(v) for v in cfg.input_size)
+        if fixed is not None and tuple(size[1:]) != fixed:
+            raise ConfigError(f'input_size={list(size)}: {cfg.model} is built for {fixed[0]}x{fixed[1]} images only; '
+                              f'build it for this size with model_kwargs="{{img_size: [{size[1]}, {size[2]}]}}" '
+                              f'or drop input_size')
+        return size
+    chans, height, width = input_size_of(model)
+    chans = int(cfg.model_kwargs.get('in_chans', chans))
+    if fixed is None and cfg.model_kwargs.get('img_size') is not None:  # a dynamic-size model built for this size
+        img = cfg.model_kwargs['img_size']
+        height, width = (img, img) if isinstance(img, int) else tuple(img)
+    return chans, int(height), int(width)
+
+
+def load_initial_weights(model: nn.Module, path: str) -> str:
+    """Load ``path`` (any layout ``load_model_weights`` reads) into ``model`` to fine-tune from it,
+    as timm's ``--initial-checkpoint``; a classifier whose shape differs (another number of
+    classes) keeps its fresh initialization. Returns a line saying what was loaded."""
+    from .checkpoint import CheckpointError, load_model_weights
+    state = load_model_weights(path)
+    own = model.state_dict()
+    classifier = (getattr(model, 'pretrained_cfg', None) or {}).get('classifier', 'head')
+    heads = (classifier,) if isinstance(classifier, str) else tuple(classifier)
+    skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape and k.startswith(heads)]
+    state = {k: v for k, v in state.items() if k not in skipped}
+    missing = sorted(set(own) - set(state) - set(skipped))
+    unexpected = sorted(set(state) - set(own))
+    wrong = [k for k in state if k in own and own[k].shape != state[k].shape]
+    if missing or unexpected or wrong:
+        parts = [f'{len(x)} {what} (e.g. {", ".join(x[:3])})' for x, what in
+                 ((missing, 'missing'), (unexpected, 'unexpected'), (wrong, 'of another shape')) if x]
+        raise CheckpointError(f'{path}: does not fit {type(model).__name__}: {"; ".join(parts)} tensors; check '
+                              f'--model / model_kwargs against the model the weights were trained as')
+    model.load_state_dict(state, strict=False)
+    head = f'; classifier {", ".join(skipped)} re-initialized (another number of classes)' if skipped else ''
+    return f'initial weights: {len(state)} tensors from {path}{head}'
 
 
 @dataclass
@@ -116,6 +143,10 @@ def setup_data(cfg: TrainConfig, model: nn.Module, num_classes: Optional[int] = 
         raise DataError(f'{cfg.data}: the data has {train.num_classes} classes but the model has {num_classes} '
                         f'outputs; '
                         f'set num_classes={train.num_classes}')
+    for key, ds in (('train_subset', train), ('val_subset', val)):
+        if getattr(cfg, key) and getattr(cfg, key) > len(ds):
+            raise DataError(f'{key}={getattr(cfg, key)}: {ds.source} has only {len(ds)} images; use at most '
+                            f'{len(ds)} (or drop {key})')
     if cfg.train_subset and cfg.train_subset < len(train):
         g = torch.Generator().manual_seed(derive_seed(cfg.seed, 7))
         train = train.subset(torch.randperm(len(train), generator=g)[:cfg.train_subset].sort().values)
@@ -134,6 +165,27 @@ def setup_data(cfg: TrainConfig, model: nn.Module, num_classes: Optional[int] = 
         if pil_only:
             raise ConfigError(f'pipeline=tensor does not implement {", ".join(pil_only)}; use pipeline=pil')
     return DataSetup(train, val, val_split, size, mean, std, pipeline)
+
+
+def dataset_manifest(data: DataSetup) -> Dict[str, Any]:
+    """What identifies a run's data, whatever its path: class names and split sizes (after the
+    subsets the config asks for). Stored in checkpoints, compared when ``--data`` changes on resume."""
+    return {'classes': list(data.train.classes), 'train_images': len(data.train), 'val_split': data.val_split,
+            'val_images': len(data.val)}
+
+
+def check_same_dataset(saved: Optional[Dict[str, Any]], data: DataSetup, saved_path: str, new_path: str) -> None:
+    """Refuse a resume whose ``data`` path changed unless it holds the same dataset as before."""
+    if saved is None:
+        raise ConfigError(f'data moved from {saved_path} to {new_path}, but the checkpoint predates dataset '
+                          f'manifests, so vitblocks cannot check it is the same data; resume with data={saved_path}')
+    now = dataset_manifest(data)
+    diff = [k for k in now if saved.get(k) != now[k]]
+    if diff:
+        what = ', '.join(f'{k} {saved.get(k) if k != "classes" else len(saved.get(k) or [])} -> '
+                         f'{now[k] if k != "classes" else len(now[k])}' for k in diff)
+        raise DataError(f'{new_path} is not the dataset this run was trained on ({saved_path}): {what}; resume '
+                        f'with the original data')
 
 
 def make_loader(cfg: TrainConfig, data: DataSetup, training: bool, device: torch.device, rank: int = 0,

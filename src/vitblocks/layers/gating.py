@@ -27,8 +27,15 @@ from torch import nn
 from .layout import TokenLayout, apply_spatial
 from .registry import register_ffn
 
-__all__ = ['MixerGatingUnit', 'LocalityFFN']
+__all__ = ['MixerGatingUnit', 'LocalityFFN', 'check_mlp_widths']
 
+
+
+def check_mlp_widths(**widths) -> None:
+    """Raise ValueError unless every hidden width is a positive integer (0 or True would build silently)."""
+    for key, width in widths.items():
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f'{key} must be a positive integer (a hidden width), got {width!r}')
 
 class MixerGatingUnit(nn.Module):
     """NiNformer gating unit ``MixerBlock(x) * Linear(x)`` (Eq. 8), a token mixer for a fixed token count.
@@ -72,8 +79,9 @@ class MixerGatingUnit(nn.Module):
     ):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        token_mlp_dim = token_mlp_dim or dim // 2
-        channel_mlp_dim = channel_mlp_dim or 4 * dim
+        token_mlp_dim = dim // 2 if token_mlp_dim is None else token_mlp_dim
+        channel_mlp_dim = 4 * dim if channel_mlp_dim is None else channel_mlp_dim
+        check_mlp_widths(token_mlp_dim=token_mlp_dim, channel_mlp_dim=channel_mlp_dim)
         self.num_tokens = num_tokens
         self.channels_first = channels_first
         self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)  # Linear(I) of Eq. 8: the gated signal

@@ -92,8 +92,8 @@ class DepthwiseBlock(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        if kernel_size < 1 or kernel_size % 2 == 0:
-            raise ValueError(f'kernel_size must be a positive odd number (same padding), got {kernel_size}')
+        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f'kernel_size must be a positive odd integer (same padding), got {kernel_size!r}')
         self.kernel_size = kernel_size
         self.conv = nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, groups=channels,
                               bias=True, **dd)
@@ -187,6 +187,8 @@ class IFFN(nn.Module):
         def linear(i, o, b):  # a token-wise linear layer in the input's layout
             return nn.Conv2d(i, o, 1, bias=b, **dd) if cf else nn.Linear(i, o, b, **dd)
 
+        if isinstance(num_functions, bool) or not isinstance(num_functions, int) or num_functions < 1:
+            raise ValueError(f'num_functions must be a positive integer (N of Table 4: 2 or 4), got {num_functions!r}')
         if channel_part and hidden_features % num_functions:
             raise ValueError(f'hidden_features={hidden_features} is not divisible by num_functions={num_functions}; '
                              f'choose hidden_features as a multiple of {num_functions}')

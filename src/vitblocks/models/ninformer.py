@@ -43,7 +43,7 @@ from timm.models.mlp_mixer import MixerBlock
 from timm.models.vision_transformer import VisionTransformer, init_weights_vit_timm
 from torch import nn
 
-from ..layers.gating import MixerGatingUnit
+from ..layers.gating import MixerGatingUnit, check_mlp_widths
 from .registry import VariantSpec, default_cfgs, register_variant
 from .surgery import swap_ffn
 
@@ -102,6 +102,7 @@ def mixer_blocks(model: nn.Module, token_mlp_dim: int = 512, channel_mlp_dim: in
     """
     if not isinstance(model, VisionTransformer):
         raise ValueError(f'mixer_blocks supports timm VisionTransformer models, got {type(model).__name__}')
+    check_mlp_widths(token_mlp_dim=token_mlp_dim, channel_mlp_dim=channel_mlp_dim)
     dim, num_tokens = model.embed_dim, model.patch_embed.num_patches + model.num_prefix_tokens
     ref = model.patch_embed.proj.weight
     ratios = ((token_mlp_dim + .5) / dim, (channel_mlp_dim + .5) / dim)  # MixerBlock sizes MLPs as int(ratio * dim)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 
-__all__ = ['count_params', 'count_macs', 'MacReport', 'input_size_of', 'ATTENTION_OPS']
+__all__ = ['count_params', 'count_macs', 'MacReport', 'input_size_of', 'fixed_image_size', 'ATTENTION_OPS']
 
 _aten = torch.ops.aten
 
@@ -133,10 +133,26 @@ class MacReport:
         return out
 
 
+def fixed_image_size(model: nn.Module) -> Optional[Tuple[int, int]]:
+    """(H, W) a model's patch embedding was built for, if it accepts that size only (timm
+    ``PatchEmbed`` with ``strict_img_size`` and no ``dynamic_img_size``), else None."""
+    from timm.layers import PatchEmbed
+    embed = next((m for m in model.modules() if isinstance(m, PatchEmbed)), None)
+    if embed is None or embed.img_size is None or getattr(embed, 'dynamic_img_size', False) \
+            or not getattr(embed, 'strict_img_size', True):
+        return None
+    return int(embed.img_size[0]), int(embed.img_size[1])
+
+
 def input_size_of(model: nn.Module) -> Tuple[int, int, int]:
-    """The ``(C, H, W)`` input size from a timm model's pretrained config (default 3x224x224)."""
-    cfg = getattr(model, 'pretrained_cfg', None) or {}
-    return tuple(cfg.get('input_size', (3, 224, 224)))
+    """The ``(C, H, W)`` input of a built model: the channels of its first convolution and the
+    image size its patch embedding was built with (``img_size=(256, 192)`` counts at 256x192);
+    what the model does not fix comes from its pretrained config (default 3x224x224)."""
+    pre = tuple((getattr(model, 'pretrained_cfg', None) or {}).get('input_size', (3, 224, 224)))
+    first_conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    chans = first_conv.in_channels if first_conv is not None else pre[0]
+    size = fixed_image_size(model) or pre[1:]
+    return int(chans), int(size[0]), int(size[1])
 
 
 @torch.no_grad()

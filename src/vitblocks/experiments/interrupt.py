@@ -1,0 +1,48 @@
+"""Stop a run cleanly on SIGINT (Ctrl-C) or SIGTERM (``kill``, a cluster's time limit).
+
+The handler only sets a flag; the training loop checks it after each optimizer step, saves
+``last.pth`` there (a step boundary, so resuming is exact) and raises ``TrainingInterrupted``,
+whose message is the command that resumes the run. A second signal while saving is not
+caught: it stops the process at once (the atomic checkpoint write keeps the previous file).
+"""
+import signal
+import threading
+from pathlib import Path
+from typing import Optional
+
+__all__ = ['StopRequest', 'TrainingInterrupted']
+
+
+class TrainingInterrupted(Exception):
+    """The run was stopped by a signal after saving a checkpoint; the message says how to resume."""
+
+    def __init__(self, signal_name: str, step: int, run_dir: Path):
+        self.signal_name, self.step, self.run_dir = signal_name, step, run_dir
+        super().__init__(f'{signal_name} at step {step}: saved {run_dir / "last.pth"}; resume with: '
+                         f'vitblocks train --resume {run_dir}')
+
+
+class StopRequest:
+    """``with StopRequest() as stop:`` ... ``if stop.signal_name: <save and stop>``."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signal_name: Optional[str] = None
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+        for sig, handler in self._previous.items():  # the next signal acts as it would without us
+            signal.signal(sig, handler)
+
+    def __enter__(self) -> 'StopRequest':
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

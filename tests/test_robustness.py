@@ -1,0 +1,303 @@
+"""Issue 16: every bad input is one line (exit 2), nothing corrupt passes unnoticed, runs survive
+being moved, killed and resumed. A one-block 8x8 ViT on tiny synthetic shards, one CPU thread."""
+import csv
+import errno
+import json
+import os
+import signal
+import shutil
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import yaml
+
+import vitblocks.cli as cli
+from vitblocks.cli import list_models as list_cmd
+from vitblocks.experiments import CheckpointError, Trainer, load_checkpoint, merge, save_checkpoint
+from vitblocks.experiments.config import ConfigError, load_recipe, parse_overrides
+from vitblocks.experiments.setup import load_initial_weights
+from vitblocks.profile import count_macs, fixed_threads, input_size_of
+
+from _train_helpers import TINY_VIT, tiny_dataset
+
+TINY = 'model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}'
+QUIET = ['progress=none', 'tensorboard=false', '--threads', '1']
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _one_thread():
+    with fixed_threads(1):
+        yield
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory) -> Path:
+    return tiny_dataset(tmp_path_factory.mktemp('data') / 'tiny')
+
+
+@pytest.fixture(scope='module')
+def run_dir(data, tmp_path_factory) -> Path:
+    """A finished 2-step run (4 classes)."""
+    out = tmp_path_factory.mktemp('runs')
+    code = cli.main(['train', '--model', 'vit_tiny_patch16_224', '--data', str(data), '--max-steps', '2',
+                     '--epochs', '1', '--batch-size', '8', '--output', str(out), '--name', 'r', TINY, *QUIET])
+    assert code == 0
+    return out / 'r'
+
+
+def run_cli(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line(code, err, fragment):
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and 'Traceback' not in err, err
+    assert fragment in err, err
+
+
+def tiny_train(data, out, *extra):
+    return ['train', '--model', 'vit_tiny_patch16_224', '--data', data, '--epochs', 1, '--batch-size', 8,
+            '--output', out, TINY, *QUIET, *extra]
+
+
+# --- 1: typed config values ----------------------------------------------------------------------------
+
+def test_numbers_and_booleans_are_typed(tmp_path):
+    assert parse_overrides(['lr=5e-4', 'warmup_lr=1e-6', 'max_steps=1e3'])['lr'] == 5e-4
+    recipe = tmp_path / 'r.yaml'
+    recipe.write_text('lr: 1e-3\nmodel_ema: "false"\namp: "no"\ncompile: "yes"\n')
+    cfg = merge(load_recipe(str(recipe)))
+    assert (cfg.lr, cfg.model_ema, cfg.amp, cfg.compile) == (1e-3, False, False, True)
+    assert type(merge({'max_steps': 1e3}).max_steps) is int
+
+
+@pytest.mark.parametrize('override, message', [
+    ('opt=adamx', "opt='adamx': expected one of"), ('sched=cosin', 'did you mean cosine'),
+    ('seed=abc', "seed='abc': expected an integer"), ('smoothing=1.5', 'smoothing=1.5: expected a number in [0, 1)'),
+    ('device=tpu', "device='tpu': expected 'auto', 'cpu'"), ('hflip=2.0', 'hflip=2.0: expected a number in [0, 1]'),
+    ('interpolation=bicubik', 'did you mean bicubic'), ('auto_augment=rand-xyz', "'xyz' is not one"),
+    ('model_ema=maybe', 'expected true/false'),
+])
+def test_bad_values_are_refused_at_load_time(override, message):
+    with pytest.raises(ConfigError) as e:
+        merge(parse_overrides([override]))
+    assert message in str(e.value)
+
+
+# --- 7/10: the command line ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('extra, fragment', [
+    (['opt=adamx'], 'did you mean adamax'), (['seed=abc'], "seed='abc'"),
+    (['--device', 'tpu'], "device='tpu'"), (['input_size=[3, 16, 16]'], 'is built for 8x8 images only'),
+    (['--train-subset', '1000'], 'train_subset=1000'),
+])
+def test_train_bad_inputs_are_one_line(data, tmp_path, capsys, extra, fragment):
+    assert_one_line(*run_cli(capsys, *tiny_train(data, tmp_path, *extra))[::2], fragment)
+
+
+def test_unwritable_outputs_fail_before_any_work(data, run_dir, tmp_path, capsys):
+    blocker = tmp_path / 'file'
+    blocker.write_text('x')
+    code, _, err = run_cli(capsys, *tiny_train(data, blocker / 'runs'))
+    assert_one_line(code, err, 'is a file, not a folder')
+    code, out, err = run_cli(capsys, 'eval', '--checkpoint', run_dir / 'last.pth', '--data', data, '--json',
+                             blocker / 'x.json', '--threads', 1)
+    assert_one_line(code, err, '--json')
+    assert 'top-1' not in out  # refused before evaluating
+    code, out, err = run_cli(capsys, 'plot', run_dir, '--output', blocker / 'figs', '--no-latency')
+    assert_one_line(code, err, 'is a file, not a folder')
+
+
+def test_key_value_overrides_anywhere(data, tmp_path, capsys):
+    code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', 'lr=5e-4', '--data', data,
+                             '--epochs', 1, 'max_steps=1', '--batch-size', 8, '--output', tmp_path, TINY, *QUIET)
+    assert code == 0, err
+    assert yaml.safe_load(next(tmp_path.glob('*/config.yaml')).read_text())['lr'] == 5e-4
+
+
+def test_block_cfg_values_are_checked(capsys):
+    assert_one_line(*run_cli(capsys, 'profile', 'iffn_deit_tiny_patch16_224', '--block-cfg', 'num_functions=0')[::2],
+                    'num_functions must be a positive integer')
+    assert_one_line(*run_cli(capsys, 'profile', 'iffn_deit_tiny_patch16_224', '--block-cfg', 'kernel_size=true')[::2],
+                    'kernel_size must be a positive odd integer')
+    assert_one_line(*run_cli(capsys, 'profile', 'ninformer_vit_patch4_28', '--block-cfg', 'token_mlp_dim=0')[::2],
+                    'token_mlp_dim must be a positive integer')
+
+
+def test_empty_metrics_and_malformed_config(run_dir, tmp_path, capsys):
+    bad = tmp_path / 'bad'
+    shutil.copytree(run_dir, bad)
+    (bad / 'metrics.csv').write_text('')
+    assert_one_line(*run_cli(capsys, 'plot', bad, '--no-latency')[::2], 'no rows yet')
+    (bad / 'config.yaml').write_text('model: [unclosed\n')
+    assert_one_line(*run_cli(capsys, 'train', '--resume', bad)[::2], 'not valid YAML')
+
+
+def test_broken_pipe_is_quiet(monkeypatch, capsys):
+    def run(args):
+        raise BrokenPipeError(errno.EPIPE, 'Broken pipe')
+    monkeypatch.setattr(list_cmd, 'run', run)
+    code, out, err = run_cli(capsys, 'list')
+    assert code == 141 and err == ''
+
+
+def test_profile_bench_export_take_num_classes_and_img_size(tmp_path, capsys):
+    code, out, err = run_cli(capsys, 'profile', 'deit_tiny_patch16_224', '--img-size', 32, '--num-classes', 10)
+    assert code == 0, err
+    assert 'input   1 x 3 x 32 x 32' in out and 'params  5,489,482' in out  # 5,717,416 - 192 x 990 - 990 - pos
+    code, out, err = run_cli(capsys, 'bench', 'deit_tiny_patch16_224', '--img-size', 32, '--repeats', 1, '--warmup',
+                             0, '--batch-size', 1)
+    assert code == 0 and '1 x 3x32x32' in out, err
+    assert_one_line(*run_cli(capsys, 'profile', 'deit_tiny_patch16_224', '--img-size', 1, 2, 3)[::2], '--img-size')
+
+
+# --- 4: MACs at the size the model was built for --------------------------------------------------------
+
+def test_count_macs_uses_the_built_img_size():
+    model = timm.create_model('vit_tiny_patch16_224', img_size=(48, 32), patch_size=16, depth=1)
+    assert input_size_of(model) == (3, 48, 32)
+    assert count_macs(model).total == count_macs(model, input_size=(3, 48, 32)).total
+    gray = timm.create_model('vit_tiny_patch16_224', img_size=28, patch_size=4, in_chans=1, depth=1)
+    assert input_size_of(gray) == (1, 28, 28)
+
+
+# --- 5: corruption is named as corruption --------------------------------------------------------------
+
+def test_flipped_tensor_byte_is_detected(run_dir, data, tmp_path, capsys):
+    raw = bytearray((run_dir / 'last.pth').read_bytes())
+    weight = load_checkpoint(run_dir / 'last.pth')['model']['head.weight']
+    at = bytes(raw).find(weight.numpy().tobytes())
+    assert at > 0
+    raw[at + 3] ^= 0x40
+    bad = tmp_path / 'flipped.pth'
+    bad.write_bytes(bytes(raw))
+    torch.load(bad, weights_only=True)  # torch itself does not notice
+    with pytest.raises(CheckpointError, match='corrupt: its tensors do not match the digest'):
+        load_checkpoint(bad)
+    assert_one_line(*run_cli(capsys, 'eval', '--checkpoint', bad, '--data', data)[::2], 'corrupt')
+
+
+def test_full_disk_is_one_error_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / 'last.pth'
+    save_checkpoint({'x': torch.ones(1)}, path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(torch, 'save', full)
+    with pytest.raises(CheckpointError, match=r'No space left on device\); the previous checkpoint is intact'):
+        save_checkpoint({'x': torch.zeros(1)}, path)
+    monkeypatch.undo()
+    assert torch.equal(load_checkpoint(path)['x'], torch.ones(1))
+    assert [p.name for p in tmp_path.iterdir()] == ['last.pth']
+
+
+# --- 3 and 8: moved data, edited configs, wrong data ----------------------------------------------------
+
+def test_absolute_data_and_resume_from_elsewhere_with_moved_data(data, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(data.parent)
+    code, _, err = run_cli(capsys, *tiny_train(data.name, tmp_path, '--max-steps', 2, '--name', 'r'))
+    assert code == 0, err
+    cfg = yaml.safe_load((tmp_path / 'r' / 'config.yaml').read_text())
+    assert cfg['data'] == str(data.resolve())
+    moved = tmp_path / 'moved'
+    shutil.copytree(data, moved)
+    monkeypatch.chdir(tmp_path / 'r')
+    code, out, err = run_cli(capsys, 'train', '--resume', tmp_path / 'r', '--data', moved, 'max_steps=4')
+    assert code == 0 and 'trained  4 steps' in out, err
+    other = tiny_dataset(tmp_path / 'other', n_train=64)
+    code, _, err = run_cli(capsys, 'train', '--resume', tmp_path / 'r', '--data', other, 'max_steps=6')
+    assert_one_line(code, err, 'is not the dataset this run was trained on')
+
+
+def test_edited_config_yaml_cannot_resume_with_other_settings(run_dir, tmp_path, capsys):
+    run = tmp_path / 'r'
+    shutil.copytree(run_dir, run)
+    cfg = yaml.safe_load((run / 'config.yaml').read_text())
+    truncated = {k: cfg[k] for k in ('model', 'data', 'model_kwargs', 'progress', 'tensorboard')}  # lr etc. gone
+    (run / 'config.yaml').write_text(yaml.safe_dump(truncated))
+    code, _, err = run_cli(capsys, 'train', '--resume', run, 'max_steps=3')
+    assert_one_line(code, err, 'was trained with another config')
+
+
+def test_eval_refuses_foreign_classes_and_missing_splits_and_honours_val_subset(run_dir, data, tmp_path, capsys):
+    other = tiny_dataset(tmp_path / 'other', classes=['cat', 'dog', 'cow', 'ant'])
+    assert_one_line(*run_cli(capsys, 'eval', '--checkpoint', run_dir / 'last.pth', '--data', other)[::2],
+                    'are not among the 4 the checkpoint was trained on')
+    assert_one_line(*run_cli(capsys, 'eval', '--checkpoint', run_dir / 'last.pth', '--data', data, '--split',
+                             'val')[::2], "has no 'val' split")
+    code, out, err = run_cli(capsys, 'eval', '--checkpoint', run_dir / 'last.pth', '--data', data, 'val_subset=10',
+                             '--json', tmp_path / 'e.json', '--threads', 1, '--progress', 'log')
+    assert code == 0, err
+    (res,) = json.loads((tmp_path / 'e.json').read_text())['results'].values()
+    assert res['num_images'] == 10
+
+
+# --- 9: run bookkeeping ----------------------------------------------------------------------------------
+
+def rows(run: Path):
+    with open(run / 'metrics.csv') as f:
+        return [(r['step'], r['split']) for r in csv.DictReader(f)]
+
+
+def test_stale_files_and_rows_are_cleaned_and_evaluations_not_repeated(data, run_dir, tmp_path, capsys):
+    run = tmp_path / 'r'
+    run.mkdir()
+    (run / '.last.pth.abc123.tmp').write_bytes(b'half a checkpoint')
+    (run / 'metrics.csv').write_text('step,epoch,split,loss,top1,top5,lr,images_per_s,elapsed_s\n'
+                                     '9,0.5,train,1.0,,,0.1,1,1\n')  # a killed attempt, no checkpoint
+    code, _, err = run_cli(capsys, *tiny_train(data, tmp_path, '--max-steps', 2, '--name', 'r'))
+    assert code == 0, err
+    assert not list(run.glob('*.tmp')) and ('9', 'train') not in rows(run)
+    before = rows(run)
+    code, _, err = run_cli(capsys, 'train', '--resume', run)  # already finished: evaluates again
+    assert code == 0, err
+    assert rows(run) == before and before.count(('2', 'val')) == 1
+
+
+def test_sigterm_saves_and_prints_the_resume_command(data, tmp_path, capsys, monkeypatch):
+    step = Trainer.train_step
+
+    def step_then_signal(self, x, y):
+        loss = step(self, x, y)
+        if self.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+    monkeypatch.setattr(Trainer, 'train_step', step_then_signal)
+    code, _, err = run_cli(capsys, *tiny_train(data, tmp_path, '--name', 'r'))
+    assert code == 130
+    assert f'SIGTERM at step 3: saved {tmp_path / "r" / "last.pth"}; resume with: vitblocks train --resume' in err
+    assert load_checkpoint(tmp_path / 'r' / 'last.pth')['global_step'] == 3
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+
+# --- 10: fine-tuning from weights, exporting a trained checkpoint -----------------------------------------
+
+def test_initial_checkpoint_loads_weights_and_reinitializes_another_head(run_dir):
+    state = load_checkpoint(run_dir / 'last.pth')['model']
+    same = timm.create_model('vit_tiny_patch16_224', num_classes=4, **TINY_VIT)
+    assert 're-initialized' not in load_initial_weights(same, str(run_dir / 'last.pth'))
+    assert all(torch.equal(v, state[k]) for k, v in same.state_dict().items())
+    wider = timm.create_model('vit_tiny_patch16_224', num_classes=7, **TINY_VIT)
+    note = load_initial_weights(wider, str(run_dir / 'last.pth'))
+    assert 'head.weight, head.bias re-initialized' in note
+    assert torch.equal(wider.blocks[0].mlp.fc1.weight, state['blocks.0.mlp.fc1.weight'])
+    deeper = timm.create_model('vit_tiny_patch16_224', num_classes=4, **{**TINY_VIT, 'depth': 2})
+    with pytest.raises(CheckpointError, match='missing'):
+        load_initial_weights(deeper, str(run_dir / 'last.pth'))
+
+
+def test_train_from_initial_checkpoint_and_export_it(data, run_dir, tmp_path, capsys):
+    code, _, err = run_cli(capsys, *tiny_train(data, tmp_path, '--max-steps', 1, '--name', 'ft', '--num-classes', 6,
+                                               '--initial-checkpoint', run_dir / 'last.pth', 'progress=log'))
+    assert code == 0, err
+    assert 'initial weights:' in err and 're-initialized' in err
+    code, out, err = run_cli(capsys, 'export', 'vit_tiny_patch16_224', '--checkpoint', tmp_path / 'ft' / 'last.pth',
+                             '--format', 'torchscript', '--out', tmp_path / 'ft.pt')
+    assert code == 0, err
+    assert 'input 2x3x8x8' in out and f'weights {tmp_path / "ft" / "last.pth"}' in out
+    traced = torch.jit.load(str(tmp_path / 'ft.pt'))
+    assert traced(torch.zeros(1, 3, 8, 8)).shape == (1, 6)
