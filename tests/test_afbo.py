@@ -451,10 +451,13 @@ AFBO_PAPER = load_paper('afbo')
 
 
 def test_afbo_tables_are_shipped():
-    assert [t.number for t in AFBO_PAPER.tables] == ['1', '2', '3', '7', '13', '14']
+    assert [t.number for t in AFBO_PAPER.tables] == ['1', '2', '3', '5', '8', '9', '10', '11', '7', '13', '14']
     unbuilt = {r.note for t in AFBO_PAPER.tables for r in t.rows if not r.buildable}
     assert {'LVT is not in timm', 'CycleMLP is not in timm', 'HireMLP is not in timm',
             'VisionLLaMA is not in timm'} <= unbuilt
+
+
+FULLY_NOTED_TABLES = ('5', '8', '9', '10', '11')  # Tables 1, 2, 3, 7, 13, 14 still have 1-5% rows without a note
 
 
 def _complexity_rows():
@@ -464,14 +467,22 @@ def _complexity_rows():
 
 @pytest.mark.parametrize('table,row', _complexity_rows())
 def test_paper_rows_within_5pct_or_explained(table, row):
-    """Params always within 5%; GMACs within 5% unless the row's note explains the gap ("GMACs: ...")."""
+    """Params always within 5%; GMACs within 5% unless the row's note explains the gap ("GMACs: ..."). In the
+    tables of FULLY_NOTED_TABLES every number off by more than 1% and by more than the paper's rounding has a
+    note that says why."""
     from vitblocks.cli.common import build_model
     with torch.device('meta'):  # exact counts without memory or init
         model = build_model(row.model, row.block_cfg, row.base_kwargs, row.ffn)
-    assert count_params(model) / 1e6 == pytest.approx(row.params_m, rel=0.05)
+    params = count_params(model) / 1e6
+    assert params == pytest.approx(row.params_m, rel=0.05)
+    noted = table.number in FULLY_NOTED_TABLES
+    if noted and not (params == pytest.approx(row.params_m, rel=0.01) or row.agrees_when_rounded('params_m', params)):
+        assert 'Params:' in row.note or 'G2 =' in row.note, f'{params:.3f} M vs {row.params_m} M needs a note'
     if row.gmacs is not None:
         gmacs = count_macs(model, input_size=table.input_size, include_norms=table.macs.include_norms).gmacs
         assert gmacs == pytest.approx(row.gmacs, rel=0.05) or 'GMACs:' in row.note, (gmacs, row.gmacs)
+        if noted and not (gmacs == pytest.approx(row.gmacs, rel=0.01) or row.agrees_when_rounded('gmacs', gmacs)):
+            assert 'GMACs:' in row.note, f'{gmacs:.3f} G vs {row.gmacs} G needs a note'
 
 
 def test_registered_models_cover_table2():
