@@ -15,9 +15,10 @@ baseline, RePa) resolves it here, so all accept the same names:
 | ``relu6``              | ``nn.ReLU6``    |                                                        |
 
 A timm-style class is accepted wherever a name is (``act_layer=nn.SiLU``, or timm's own ``GELU``,
-``Swish``, ``Sigmoid``, ``HardSwish``); any other class is an error naming the supported ones. timm's own ``get_act_layer``
-maps names to its own classes (e.g. a timm ``GELU`` that is not ``nn.GELU``) and has no in-place
-functional table, which the inference paths of IFFN and AFBO need; hence this small table.
+``Swish``, ``Sigmoid``, ``HardSwish``); any other class is an error naming the supported ones.
+timm's ``get_act_layer`` maps names to its own classes (a timm ``GELU`` is not ``nn.GELU``), knows
+no 'softplus', and has no in-place functional forms, which the inference paths of IFFN and AFBO
+need; hence this small table.
 """
 from functools import partial
 from typing import Callable, NamedTuple, Optional, Type, Union

@@ -1,8 +1,8 @@
 """AFBO models: every AFBO Table 2 backbone that timm has, with its FFNs replaced by AFBO.
 
 Each model is "build the timm backbone, ``swap_ffn(model, 'afbo', gccm_groups=G1,
-occm_groups=G2)``" with G1 = 2 (4 for Swin-B, below), SiLU on the OCCM branch (pre-act), 3x3 depthwise spatial
-modelling and the backbone's own hidden width (M = its MLP ratio). The block config is
+occm_groups=G2)``" with G1 = 2 (4 for Swin-B, below), SiLU on the OCCM branch (pre-act), 3x3
+depthwise spatial modelling and the backbone's own hidden width (M = its MLP ratio). The block config is
 overridable: ``timm.create_model('afbo_deit_tiny_patch16_224', block_cfg={'variant': 'scfbo_gc'})``.
 
 OCCM group numbers G2 (the paper is not consistent: App. A.1 says G2 = 3 for Swin, LVT and the
@@ -58,7 +58,8 @@ AFBO_TABLE2_BASES = (
 
 def _swap_afbo(model, cfg, model_groups):
     # the model's own group numbers, where the user's block_cfg chose maps that do not read them, are dropped
-    used = AFBO.group_args_used(cfg.get('variant'), cfg.get('left_map'), cfg.get('right_map'), cfg.get('order', 'cm_sm'))
+    used = AFBO.group_args_used(cfg.get('variant'), cfg.get('left_map'), cfg.get('right_map'),
+                                cfg.get('order', 'cm_sm'))
     cfg = {k: v for k, v in cfg.items() if not (k in model_groups and k not in used and v == model_groups[k])}
     return swap_ffn(model, 'afbo', **cfg)
 
