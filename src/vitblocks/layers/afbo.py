@@ -236,40 +236,40 @@ class AFBO(nn.Module):
         self.init_weights()
 
     @staticmethod
+    def _map_kinds(variant: Optional[str], left_map: Optional[str], right_map: Optional[str]):
+        """(canonical variant name, (left map kind, right map kind)); aliases resolved, unknown names rejected."""
+        variant = AFBO_VARIANT_ALIASES.get(variant, variant) or 'afbo'
+        if variant not in AFBO_VARIANTS:
+            aliases = ', '.join(f'{a} = {v}' for a, v in AFBO_VARIANT_ALIASES.items())
+            raise ValueError(f'unknown AFBO variant {variant!r}; choose one of {", ".join(AFBO_VARIANTS)} ({aliases})')
+        return variant, (left_map or AFBO_VARIANTS[variant][0], right_map or AFBO_VARIANTS[variant][1])
+
+    @staticmethod
     def group_args_used(variant: Optional[str] = None, left_map: Optional[str] = None, right_map: Optional[str] = None,
                         order: str = 'cm_sm') -> set:
         """The group-number arguments (``occm_groups``, ...) that a configuration's channel maps read."""
-        if order == 'sm':
+        if order == 'sm':  # AFBO-S has no channel maps
             return set()
-        variant = AFBO_VARIANT_ALIASES.get(variant, variant) or 'afbo'
-        kinds = (left_map or AFBO_VARIANTS.get(variant, ('',))[0], right_map or AFBO_VARIANTS.get(variant, ('', ''))[1])
+        _, kinds = AFBO._map_kinds(variant, left_map, right_map)
         return {arg for kind, (arg, _, _) in _GROUP_ARGS.items() if kind in kinds}
 
     @staticmethod
     def _resolve_maps(variant, left_map, right_map, order, groups):
         """(variant name, (left kind, right kind)); errors for options the chosen structure would ignore."""
-        if variant is not None:
-            variant = AFBO_VARIANT_ALIASES.get(variant, variant)
-            if variant not in AFBO_VARIANTS:
-                aliases = ', '.join(f'{a} = {v}' for a, v in AFBO_VARIANT_ALIASES.items())
-                raise ValueError(f'unknown AFBO variant {variant!r}; choose one of {", ".join(AFBO_VARIANTS)} '
-                                 f'({aliases})')
+        name, kinds = AFBO._map_kinds(variant, left_map, right_map)
         given = [k for k, v in groups.items() if v is not None]
         if order == 'sm':  # AFBO-S has no channel maps: a map choice or group number would be ignored
-            extra = ([f'variant={variant!r}'] if variant is not None else []) + \
-                [f'{k}={v!r}' for k, v in (('left_map', left_map), ('right_map', right_map)) if v is not None] + \
-                [f'{k}={groups[k]}' for k in given]
+            extra = [f'{k}={v!r}' for k, v in (('variant', variant), ('left_map', left_map), ('right_map', right_map))
+                     if v is not None] + [f'{k}={groups[k]}' for k in given]
             if extra:
                 raise ValueError(f"order='sm' (AFBO-S, Table 5) has no channel maps, only the dense fc1 shared by both "
                                  f"branches, so {', '.join(extra)} would be ignored; drop them or use another order")
-            return 'afbo', (None, None)
-        variant = variant or 'afbo'
-        kinds = (left_map or AFBO_VARIANTS[variant][0], right_map or AFBO_VARIANTS[variant][1])
+            return name, (None, None)
         for kind, (arg, symbol, _) in _GROUP_ARGS.items():
             if arg in given and kind not in kinds:
                 raise ValueError(f'{arg}={groups[arg]} ({symbol}) is set but neither branch uses a {kind} map '
                                  f'(maps: {kinds[0]}, {kinds[1]}); drop it or choose a variant with a {kind} map')
-        return variant, kinds
+        return name, kinds
 
     @property
     def grid_size(self) -> Optional[Tuple[int, int]]:
