@@ -131,7 +131,7 @@ def test_profile_block_cfg(capsys):
     (['bench', 'iffn_deit_tiny_patch16'], ['Did you mean', 'iffn_deit_tiny_patch16_224']),
     (['bench', 'deit_tiny_patch16_224', '--baseline', 'deit_tiny_patch16'], ['Did you mean']),
     (['compare', '--paper', 'ifn'], ['unknown paper', 'Did you mean: iffn']),
-    (['compare', '--tables', '1,9'], ['no table 9', 'available: 1, 2, 3, 4, 5, 6']),
+    (['compare', '--tables', '1,99'], ['no table 99', 'available: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13']),
     (['compare', '--models', 'no_such_model'], ['no table row matches']),
     (['list', '--method', 'ifn'], ['Did you mean: iffn']),
     (['profile', 'deit_tiny_patch16_224', '--depth', 'x'], ['--depth', "'x'"]),

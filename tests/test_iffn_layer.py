@@ -110,19 +110,60 @@ def test_bad_configs_raise_specific_errors():
         IFFN(16, 64, num_functions=5)
     with pytest.raises(ValueError, match='positive odd'):
         IFFN(16, 64, kernel_size=4)
-    with pytest.raises(ValueError, match='unknown base activation'):
+    with pytest.raises(ValueError, match='unknown activation'):
         IFFN(16, 64, act_layer='tanhh')
 
 
 def test_sum_of_nonlinearities_is_channelwise():
-    m = SumOfNonlinearities(8, 32)
+    m = SumOfNonlinearities(8, 32, functions_per_channel=4)
     perturb_(m, std=0.2, batchnorm=True)
     x = torch.randn(2, 5, 8)
     x2 = x.clone()
     x2[..., 3] += 1
     changed = (m(x2) - m(x)).abs().sum((0, 1)) > 0
     assert changed.tolist() == [i == 3 for i in range(8)]
-    plain = SumOfNonlinearities(8, 32, arbitrary=False)
-    torch.testing.assert_close(plain(x), 4 * F.gelu(x))  # beta = 1 at init: 4 GELUs per channel
     with pytest.raises(ValueError, match='must equal in_features'):
         SumOfNonlinearities(8, 32, out_features=4)
+
+
+def test_eq11_has_4c_functions_per_channel():
+    """Eq. 11 / Corollary 3.1: each channel is a sum of C' = 4C functions of itself (4C x C in all)."""
+    m = SumOfNonlinearities(8, 32)  # C = 8, C' = 32
+    assert m.functions_per_channel == 32 and m.act.alpha.shape == (32, 8)
+    perturb_(m, std=0.2, batchnorm=True)
+    x = torch.randn(2, 5, 8)
+    a = m.act
+    expected = (a.beta * F.gelu(a.alpha * x.unsqueeze(-2) + a.gamma) + a.theta).sum(-2)  # (..., 32, 8) -> (..., 8)
+    torch.testing.assert_close(m(x), expected)
+
+
+def test_eq11_with_gelu_is_4c_times_gelu_and_has_no_parameters():
+    plain = SumOfNonlinearities(8, 32, arbitrary=False)
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(plain(x), 32 * F.gelu(x))  # 4C identical GeLU terms, no weights in Eq. 11
+    assert sum(p.numel() for p in plain.parameters()) == 0
+
+
+def test_table3_swaps_every_gelu_of_iffn_unless_told():
+    """Table 3 replaces GeLU by another function: with IFFN both the AGeLU base and the depthwise
+    block's activation; ``spatial_act_layer`` keeps the block's GELU explicitly."""
+    both = IFFN(16, 64, act_layer='softplus', grid_size=(2, 3))
+    assert both.act.base == 'softplus' and both.spatial.act_name == 'softplus'
+    base_only = IFFN(16, 64, act_layer='softplus', spatial_act_layer='gelu', grid_size=(2, 3))
+    assert base_only.act.base == 'softplus' and base_only.spatial.act_name == 'gelu'
+    assert IFFN(16, 64, act_layer=torch.nn.SiLU, grid_size=(2, 3)).spatial.act_name == 'silu'
+    fused = both.eval().fuse()  # the deploy path uses the same activation
+    x = torch.randn(2, 6, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(x), both(x), rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_follows_the_hidden_layernorm():
+    """The authors' model: fc1, activations, LayerNorm, dropout, spatial block."""
+    m = IFFN(16, 64, drop=(0.5, 0.), grid_size=(2, 3)).train()
+    seen = []
+    m.norm.register_forward_hook(lambda mod, args, out: seen.append('norm'))
+    m.drop1.register_forward_hook(lambda mod, args, out: seen.append('drop1'))
+    m.spatial.register_forward_hook(lambda mod, args, out: seen.append('spatial'))
+    m(torch.randn(2, 6, 16))
+    assert seen == ['norm', 'drop1', 'spatial']

@@ -171,7 +171,7 @@ REPA = load_paper('repa')
 
 
 def test_repa_tables_and_conventions():
-    assert [t.number for t in REPA.tables] == ['1', '2', '4', '8']
+    assert [t.number for t in REPA.tables] == ['1', '2', '4', '5', '8']
     t1, t2 = REPA.table(1), REPA.table(2)
     assert t1.macs.short == 'no-attn+norms*5' and t2.macs.short == 'attn'
     # Table 1: a before and an after row per backbone; the one with-attention number is DeiT-B after
@@ -228,6 +228,23 @@ def test_repa_rows_before_and_after_reparam(number):
         else:
             assert res.status in ('ok', 'rounding'), (row.label, res.deltas)
             assert res.status == 'ok' or 'round' in row.note
+
+
+def test_repa_table5_dino_headless_backbones():
+    """RePa Table 5 (DINO ViT-S/B, no classification head): every row within 1% or rounding to the print."""
+    from vitblocks.cli.compare import Counter, RowResult
+    table = REPA.table('5')
+    assert all(r.buildable and r.base_kwargs == {'num_classes': 0} for r in table.rows)
+    counter = Counter()
+    counter.measure_all([(r, table) for r in table.rows])
+    statuses = []
+    for row in table.rows:
+        res = RowResult(row, counter.measure(row, table))
+        for key, paper in row.published_complexity.items():
+            res.deltas[key] = 100 * (res.ours(key) - paper) / paper
+        statuses.append(res.status)
+        assert res.status == 'ok' or 'round' in row.note, (row.label, res.deltas)
+    assert statuses == ['rounding', 'ok', 'ok', 'ok']
 
 
 def test_meta_device_counts_equal_cpu_counts():

@@ -112,3 +112,28 @@ def test_deepcopy_keeps_grid_tracking_separate():
     clone(torch.randn(1, 3, 64, 48))
     assert clone.blocks[0].mlp.grid_size == (4, 3)
     assert model.blocks[0].mlp.grid_size == (14, 14)
+
+
+def test_swap_carries_dropout_and_activation_over_where_the_block_has_the_knob():
+    with torch.device('meta'):
+        model = timm.create_model('deit_tiny_patch16_224', proj_drop_rate=0.1, act_layer='silu')
+        vitblocks.swap_ffn(model, 'iffn')  # IFFN's base activation is the FFN's (Eq. 3-4, Table 3)
+    mlp = model.blocks[0].mlp
+    assert (mlp.drop1.p, mlp.drop2.p) == (0.1, 0.1)
+    assert mlp.act.base == 'silu' and mlp.spatial.act_name == 'silu'
+    with torch.device('meta'):
+        model = timm.create_model('deit_tiny_patch16_224', proj_drop_rate=0.1, act_layer='silu')
+        vitblocks.swap_ffn(model, 'afbo', act_layer='gelu', drop=0.2)  # explicit values win
+        mlp = model.blocks[0].mlp
+        assert (mlp.drop1.p, mlp.act_name) == (0.2, 'gelu')
+        model = timm.create_model('deit_tiny_patch16_224', proj_drop_rate=0.1, act_layer='relu')
+        vitblocks.swap_ffn(model, 'afbo')  # AFBO's sigma is its own (SiLU, Table 6): only dropout carries over
+    mlp = model.blocks[0].mlp
+    assert (mlp.drop1.p, mlp.drop2.p, mlp.act_name) == (0.1, 0.1, 'silu')
+
+
+def test_swap_names_an_activation_it_cannot_carry_over():
+    model = timm.create_model('deit_tiny_patch16_224', act_layer='tanh', depth=1)
+    with pytest.raises(ValueError, match=r"'iffn' takes over the activation .* pass act_layer= explicitly"):
+        vitblocks.swap_ffn(model, 'iffn')
+    assert vitblocks.swap_ffn(model, 'iffn', act_layer='gelu') == 1

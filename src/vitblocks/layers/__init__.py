@@ -1,13 +1,14 @@
 """Pure ``nn.Module`` building blocks; no backbone knowledge lives here."""
-from .activations import AGeLU, ArbitraryActivation, ConcatArbitraryActivations, get_base_activation
+from .activations import (ACTIVATIONS, AGeLU, ArbitraryActivation, ConcatArbitraryActivations, activation_name,
+                          create_act, get_base_activation)
 from .baselines import timm_mlp
 from .iffn import IFFN, DepthwiseBlock, SumOfNonlinearities
 from .layout import TokenLayout, apply_spatial, check_grid, merge_tokens, split_tokens
-from .registry import FFN_REGISTRY, create_ffn, list_ffns, register_ffn
+from .registry import FFN_INHERITS, FFN_REGISTRY, create_ffn, list_ffns, register_ffn
 from .repa import RePaDeployedFFN, RePaFFN, TokenBatchNorm, active_channels, repa_ffn
 from .value_attention import GATED_VALUE_ACTIVATIONS, VALUE_ACTIVATIONS, ParallelBlock, ValueActivationAttention
 from .gating import LocalityFFN, MixerGatingUnit
 from .channel_maps import (DenseChannelMap, GroupedChannelMap, GroupedCrossChannelMap, OverlappedCycleChannelMap,
                            create_channel_map)
-from .afbo import AFBO, SpatialAttention, afbo_full, scfbo_gc, scfbo_oc
+from .afbo import AFBO, SpatialAttention, afbo_full, afbo_grouped, scfbo_gc, scfbo_oc
 from .ffn_counterparts import ConvGLU, ConvNeXtFFN, LocalViTFFN, glu, group_ffn, swiglu

@@ -1,38 +1,103 @@
-"""Arbitrary nonlinear functions (IFFN paper, Eq. 3-4) and activation lookup by name."""
-from typing import Callable, Union
+"""Arbitrary nonlinear functions (IFFN paper, Eq. 3-4) and the one activation registry of vitblocks.
+
+Every layer that takes an activation by name (IFFN, AFBO, the counterpart FFNs, timm's ``Mlp``
+baseline, RePa) resolves it here, so all accept the same names:
+
+| name                   | module          | where the papers use it                                |
+| ---------------------- | --------------- | ------------------------------------------------------ |
+| ``gelu``               | ``nn.GELU``     | ViT/DeiT FFN; IFFN's AGeLU base (Eq. 4); AFBO Table 6  |
+| ``silu`` (``swish``)   | ``nn.SiLU``     | AFBO's default sigma (Table 6); IFFN Table 3 (Swish)   |
+| ``relu``               | ``nn.ReLU``     | AFBO Table 6; IFFN Fig. 2                              |
+| ``softplus``           | ``nn.Softplus`` | IFFN Table 3                                           |
+| ``elu``                | ``nn.ELU``      | IFFN Table 3                                           |
+| ``sigmoid``            | ``nn.Sigmoid``  | GLU's gate (AFBO Table 1)                              |
+| ``hardswish`` (``hard_swish``) | ``nn.Hardswish`` | LocalViT                                      |
+| ``relu6``              | ``nn.ReLU6``    |                                                        |
+
+A timm-style class is accepted wherever a name is (``act_layer=nn.SiLU``, or timm's own ``GELU``,
+``Swish``, ``Sigmoid``, ``HardSwish``); any other class is an error naming the supported ones.
+timm's ``get_act_layer`` maps names to its own classes (a timm ``GELU`` is not ``nn.GELU``), knows
+no 'softplus', and has no in-place functional forms, which the inference paths of IFFN and AFBO
+need; hence this small table.
+"""
+from functools import partial
+from typing import Callable, NamedTuple, Optional, Type, Union
 
 import torch
 import torch.nn.functional as F
+from timm.layers import activations as timm_act
 from torch import nn
 
-__all__ = ['ArbitraryActivation', 'AGeLU', 'get_base_activation', 'BASE_ACTIVATIONS']
+__all__ = ['ArbitraryActivation', 'AGeLU', 'ConcatArbitraryActivations', 'ActivationSpec', 'ACTIVATIONS',
+           'ACTIVATION_ALIASES', 'activation_name', 'create_act', 'act_fn', 'act_fn_', 'get_base_activation',
+           'BASE_ACTIVATIONS']
 
-# Basic nonlinear functions phi of Eq. 3 (IFFN Table 3 ablates GeLU, Softplus, ELU, Swish).
-BASE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    'gelu': F.gelu,
-    'softplus': F.softplus,
-    'elu': F.elu,
-    'silu': F.silu,
-    'swish': F.silu,
-    'relu': F.relu,
+
+class ActivationSpec(NamedTuple):
+    module: Type[nn.Module]  # timm-style act_layer class
+    fn: Callable[[torch.Tensor], torch.Tensor]  # functional form
+    fn_: Optional[Callable[[torch.Tensor], torch.Tensor]]  # in-place form (None: torch has no in-place kernel)
+
+
+ACTIVATIONS: dict[str, ActivationSpec] = {
+    'gelu': ActivationSpec(nn.GELU, F.gelu, torch.ops.aten.gelu_),
+    'silu': ActivationSpec(nn.SiLU, F.silu, partial(F.silu, inplace=True)),
+    'relu': ActivationSpec(nn.ReLU, F.relu, torch.relu_),
+    'softplus': ActivationSpec(nn.Softplus, F.softplus, None),
+    'elu': ActivationSpec(nn.ELU, F.elu, partial(F.elu, inplace=True)),
+    'sigmoid': ActivationSpec(nn.Sigmoid, torch.sigmoid, torch.sigmoid_),
+    'hardswish': ActivationSpec(nn.Hardswish, F.hardswish, partial(F.hardswish, inplace=True)),
+    'relu6': ActivationSpec(nn.ReLU6, F.relu6, partial(F.relu6, inplace=True)),
 }
-_MODULE_ACTIVATIONS = {'gelu': nn.GELU, 'softplus': nn.Softplus, 'elu': nn.ELU, 'silu': nn.SiLU,
-                       'swish': nn.SiLU, 'relu': nn.ReLU}
+ACTIVATION_ALIASES = {'swish': 'silu', 'hard_swish': 'hardswish'}
+# timm's own classes for the same functions (GC ViT's MLP uses timm's GELU, for instance)
+_TIMM_CLASSES = {timm_act.GELU: 'gelu', timm_act.Swish: 'silu', timm_act.Sigmoid: 'sigmoid',
+                 timm_act.HardSwish: 'hardswish'}
 
 
-def get_base_activation(name: Union[str, type, None]) -> str:
-    """Normalize an activation given as a name or timm-style ``nn.Module`` class to a name."""
-    if name is None:
-        return 'gelu'
-    if isinstance(name, type):
-        for key, cls in _MODULE_ACTIVATIONS.items():
-            if issubclass(name, cls):
+def activation_name(act: Union[str, Type[nn.Module], None], default: str = 'gelu') -> str:
+    """The registry name of an activation given as a name, an alias or an ``nn.Module`` class."""
+    if act is None:
+        return default
+    if isinstance(act, type):
+        for key, spec in ACTIVATIONS.items():  # the exact class first, then subclasses
+            if act is spec.module:
                 return key
-        raise ValueError(f'unsupported activation class {name.__name__}; use one of {sorted(BASE_ACTIVATIONS)}')
-    key = str(name).lower()
-    if key not in BASE_ACTIVATIONS:
-        raise ValueError(f'unknown base activation {name!r}; use one of {sorted(BASE_ACTIVATIONS)}')
+        if act in _TIMM_CLASSES:
+            return _TIMM_CLASSES[act]
+        for key, spec in ACTIVATIONS.items():
+            if issubclass(act, spec.module):
+                return key
+        raise ValueError(f'unsupported activation class {act.__name__}; use one of {", ".join(ACTIVATIONS)} '
+                         f'(or the matching torch.nn class)')
+    key = str(act).lower()
+    key = ACTIVATION_ALIASES.get(key, key)
+    if key not in ACTIVATIONS:
+        aliases = ', '.join(f'{a} = {k}' for a, k in ACTIVATION_ALIASES.items())
+        raise ValueError(f'unknown activation {act!r}; use one of {", ".join(ACTIVATIONS)} ({aliases})')
     return key
+
+
+def create_act(act: Union[str, Type[nn.Module], None], default: str = 'gelu') -> nn.Module:
+    """An activation module from a name or class."""
+    return ACTIVATIONS[activation_name(act, default)].module()
+
+
+def act_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The functional form of a registry name (see :func:`activation_name`)."""
+    return ACTIVATIONS[activation_name(name)].fn
+
+
+def act_fn_(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An in-place form where torch has one, else the functional form (the result must be used)."""
+    spec = ACTIVATIONS[activation_name(name)]
+    return spec.fn_ or spec.fn
+
+
+# Kept for the modules that import them (RePa): the functional and module tables by name.
+get_base_activation = activation_name
+BASE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {k: v.fn for k, v in ACTIVATIONS.items()}
+_MODULE_ACTIVATIONS = {k: v.module for k, v in ACTIVATIONS.items()}
 
 
 class ArbitraryActivation(nn.Module):
@@ -43,7 +108,8 @@ class ArbitraryActivation(nn.Module):
 
     Args:
         num_channels: number of channels C; coefficients have shape ``(C,)``.
-        base: basic nonlinear function phi: 'gelu', 'softplus', 'elu', 'silu'/'swish', 'relu'.
+        base: basic nonlinear function phi, any name of :data:`ACTIVATIONS` (Table 3: 'gelu',
+            'softplus', 'elu', 'silu'/'swish').
         channels_first: input is ``(B, C, H, W)`` (coefficients broadcast over H, W) instead of
             channels-last ``(..., C)``.
     """
@@ -53,7 +119,7 @@ class ArbitraryActivation(nn.Module):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
         self.base = get_base_activation(base)
-        self._phi = BASE_ACTIVATIONS[self.base]
+        self._phi = act_fn(self.base)
         self.channels_first = channels_first
         self.alpha = nn.Parameter(torch.empty(num_channels, **dd))  # scale before phi
         self.gamma = nn.Parameter(torch.empty(num_channels, **dd))  # shift before phi
@@ -101,7 +167,7 @@ class ConcatArbitraryActivations(nn.Module):
         if num_functions < 1:
             raise ValueError(f'num_functions must be >= 1, got {num_functions}')
         self.base = get_base_activation(base)
-        self._phi = BASE_ACTIVATIONS[self.base]
+        self._phi = act_fn(self.base)
         self.num_functions = num_functions
         self.channels_first = channels_first
         shape = (num_functions, num_channels)

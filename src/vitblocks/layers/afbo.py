@@ -11,20 +11,35 @@ element-wise product of two branches, each a channel mapping (CM) followed by sp
 modelling (SM). The variants of Sec. 3.3 / Tables 1 and 14 differ in the channel maps of the
 two branches (``variant``):
 
-| variant      | left map     | right map    | paper                                   |
-| ------------ | ------------ | ------------ | --------------------------------------- |
-| ``afbo``     | OCCM (G2)    | GCCM (G1)    | AFBO, the default everywhere            |
-| ``scfbo_gc`` | GCCM (G1)    | GCCM (G1)    | SCFBO-GC (Table 1)                      |
-| ``scfbo_oc`` | OCCM (G2)    | OCCM (G2)    | SCFBO-OC (Table 1)                      |
-| ``full``     | dense        | dense        | FULL channel mapping, Eq. 4 (Table 14)  |
-| ``grouped``  | grouped (G)  | grouped (G)  | Group FFN / Group Convolution, Eq. 5 (Tables 1, 13) |
+| variant          | left map     | right map    | paper                                   |
+| ---------------- | ------------ | ------------ | --------------------------------------- |
+| ``afbo``         | OCCM (G2)    | GCCM (G1)    | AFBO, the default everywhere            |
+| ``scfbo_gc``     | GCCM (G1)    | GCCM (G1)    | SCFBO-GC (Table 1)                      |
+| ``scfbo_oc``     | OCCM (G2)    | OCCM (G2)    | SCFBO-OC (Table 1)                      |
+| ``afbo_full``    | dense        | dense        | FULL channel mapping, Eq. 4 (Table 14)  |
+| ``afbo_grouped`` | grouped (G)  | grouped (G)  | block-wise maps, Eq. 5                  |
+
+Each variant is also a registered FFN of the same name (``swap_ffn(model, 'afbo_full')`` is
+``variant='afbo_full'``); ``'full'`` and ``'grouped'``, the names before 0.2, are aliases.
+Table 1's "Group FFN" and Table 13's "Group Convolution" are ``afbo_grouped`` *without* spatial
+modelling (``order='cm'``, App. A.4): the registered counterpart ``group_ffn``.
 
 Ablations (Sec. 4.4, appendix): ``order`` ('cm' = AFBO-C, 'sm' = AFBO-S, 'cm_sm' = AFBO-CS,
 the default, 'sm_cm' = AFBO-SC; Table 5), ``spatial`` ('dwconv', 'maxpool', 'avgpool',
-'attention' (CBAM), 'conv'; Tables 8, 10), ``kernel_size`` (Table 9), ``act_position``
-('pre'/'post'), ``act_layer`` ('silu', 'gelu', 'relu') and ``act_branch`` ('left', 'right',
-'both'; Table 6). Group numbers: ``gccm_groups`` = G1 (default 2), ``occm_groups`` = G2 (default
-4 as for DeiT and PoolFormer; the paper uses 3 for Swin, LVT and the MLP models, App. A.1).
+'attention' (CBAM); Table 8; 'conv', Table 10, see below), ``kernel_size`` (Table 9),
+``act_position`` ('pre'/'post'), ``act_layer`` (any name of
+:data:`vitblocks.layers.activations.ACTIVATIONS`; Table 6 compares 'silu', 'gelu', 'relu') and
+``act_branch`` ('left', 'right', 'both'; Table 6). Group numbers: ``gccm_groups`` = G1 (default
+2), ``occm_groups`` = G2 (default 4 as for DeiT and PoolFormer; the paper uses 3 for Swin, LVT and
+the MLP models, App. A.1). A group number that no branch of the chosen maps uses, and a
+``variant``/map with ``order='sm'`` (which has no channel maps), are errors, not ignored.
+
+Table 10's "original convolution" (DeiT-T 13.3 M, Swin-T 64.8 M parameters) is a dense 3x3 conv
+on the *d input* channels, i.e. ``spatial='conv', order='sm_cm'`` (ours 13.69 M and 66.41 M).
+A dense conv on the Md-wide hidden features (the default order) has M^2 = 16 times the weights,
+133.1 M for DeiT-T, ten times the table, so ``spatial='conv'`` with ``order='cm_sm'`` or ``'sm'``
+is an error rather than a silent reading the paper does not support. (Table 10's GMACs, +0.4 G
+and +0.2 G, fit no dense conv with those parameters: ours are +1.53 G and +6.14 G.)
 
 Choices where the paper is silent (docs/afbo.md has the reasoning):
 
@@ -43,42 +58,27 @@ import torch.nn.functional as F
 from timm.layers import to_2tuple
 from torch import nn
 
+from .activations import act_fn_, activation_name, create_act
 from .channel_maps import create_channel_map
 from .layout import TokenLayout, apply_spatial, batch_slice_size, check_grid
 from .registry import register_ffn
 
-__all__ = ['AFBO', 'SpatialAttention', 'create_spatial_op', 'AFBO_VARIANTS', 'SPATIAL_OPS', 'scfbo_gc', 'scfbo_oc',
-           'afbo_full']
+__all__ = ['AFBO', 'SpatialAttention', 'create_spatial_op', 'AFBO_VARIANTS', 'AFBO_VARIANT_ALIASES', 'SPATIAL_OPS',
+           'scfbo_gc', 'scfbo_oc', 'afbo_full', 'afbo_grouped']
 
-# variant -> (left channel map, right channel map); the left branch is the one activated by default
+# variant (= registered FFN name) -> (left channel map, right channel map); the left branch is activated by default
 AFBO_VARIANTS = {
     'afbo': ('occm', 'gccm'),
     'scfbo_gc': ('gccm', 'gccm'),
     'scfbo_oc': ('occm', 'occm'),
-    'full': ('dense', 'dense'),
-    'grouped': ('grouped', 'grouped'),
+    'afbo_full': ('dense', 'dense'),
+    'afbo_grouped': ('grouped', 'grouped'),
 }
+AFBO_VARIANT_ALIASES = {'full': 'afbo_full', 'grouped': 'afbo_grouped'}  # the variant names before 0.2
 SPATIAL_OPS = ('dwconv', 'maxpool', 'avgpool', 'attention', 'conv')
 ORDERS = ('cm', 'sm', 'cm_sm', 'sm_cm')
-
-_ACT_CLASSES = {'silu': nn.SiLU, 'swish': nn.SiLU, 'gelu': nn.GELU, 'relu': nn.ReLU}
-_ACT_INPLACE = {  # the inference path activates freshly written buffers in place
-    'silu': lambda t: F.silu(t, inplace=True),
-    'gelu': torch.ops.aten.gelu_,
-    'relu': torch.relu_,
-}
-
-
-def _act_name(act_layer: Union[str, Type[nn.Module]]) -> str:
-    if isinstance(act_layer, str):
-        key = act_layer.lower()
-        if key not in _ACT_CLASSES:
-            raise ValueError(f'unknown act_layer {act_layer!r}; AFBO supports {", ".join(sorted(_ACT_CLASSES))}')
-        return 'silu' if key == 'swish' else key
-    for key, cls in _ACT_CLASSES.items():
-        if isinstance(act_layer, type) and issubclass(act_layer, cls):
-            return 'silu' if key == 'swish' else key
-    raise ValueError(f'unsupported act_layer {act_layer!r}; AFBO supports {", ".join(sorted(_ACT_CLASSES))}')
+# channel map kind -> (constructor argument of its group number, paper symbol, default)
+_GROUP_ARGS = {'occm': ('occm_groups', 'G2', 4), 'gccm': ('gccm_groups', 'G1', 2), 'grouped': ('block_groups', 'G', 2)}
 
 
 class SpatialAttention(nn.Module):
@@ -116,7 +116,7 @@ def create_spatial_op(kind: str, channels: int, kernel_size: int = 3, device=Non
     raise ValueError(f'unknown spatial op {kind!r}; choose one of {", ".join(SPATIAL_OPS)} (or order="cm" for none)')
 
 
-@register_ffn('afbo')
+@register_ffn('afbo', inherits=('drop',))
 class AFBO(nn.Module):
     """Asymmetric Factorized Bilinear Operation (Sec. 3.2-3.3); a drop-in for timm's ``Mlp``.
 
@@ -124,17 +124,19 @@ class AFBO(nn.Module):
         in_features: input channels d.
         hidden_features: Md, the width of both branches and of fc2's input (default 4d, M = 4).
         out_features: output channels (default d).
-        act_layer: sigma: 'silu' (default, Sec. 4.4), 'gelu', 'relu', or the matching nn class.
+        act_layer: sigma: 'silu' (default, Sec. 4.4), 'gelu', 'relu' (Table 6), or any other name or
+            class of the activation registry (:mod:`vitblocks.layers.activations`).
         norm_layer: optional norm on the Md-wide product before fc2 (timm ``Mlp`` slot; default none).
         bias: bias of the channel maps and of fc2 (bool or pair).
         drop: dropout after the product and after fc2 (float or pair).
-        variant: which channel maps the two branches use (module docstring table).
-        gccm_groups: G1, the GCCM group number (Eq. 6).
-        occm_groups: G2, the OCCM group number (Eq. 7).
-        block_groups: G of the block-wise map (Eq. 5), for ``variant='grouped'``.
+        variant: which channel maps the two branches use (module docstring table; default 'afbo').
+        gccm_groups: G1, the GCCM group number (Eq. 6; default 2). Only with a GCCM branch.
+        occm_groups: G2, the OCCM group number (Eq. 7; default 4). Only with an OCCM branch.
+        block_groups: G of the block-wise map (Eq. 5; default 2). Only with a 'grouped' branch.
         left_map, right_map: override the variant's map of one branch ('dense', 'grouped', 'gccm', 'occm').
         order: 'cm_sm' (CM then SM, default), 'sm_cm', 'cm' (channel mapping only), 'sm' (spatial only).
-        spatial: spatial op: 'dwconv' (default), 'maxpool', 'avgpool', 'attention', 'conv'.
+        spatial: spatial op: 'dwconv' (default), 'maxpool', 'avgpool', 'attention', 'conv' (dense,
+            only with ``order='sm_cm'``: Table 10, module docstring).
         kernel_size: K of the spatial op (3 by default, Table 9).
         act_position: 'pre' (activation on a branch before the product, default) or 'post'.
         act_branch: with 'pre', the activated branch: 'left' (the OCCM branch of AFBO, default),
@@ -164,10 +166,10 @@ class AFBO(nn.Module):
             norm_layer: Optional[Type[nn.Module]] = None,
             bias: Union[bool, Tuple[bool, bool]] = True,
             drop: Union[float, Tuple[float, float]] = 0.,
-            variant: str = 'afbo',
-            gccm_groups: int = 2,
-            occm_groups: int = 4,
-            block_groups: int = 2,
+            variant: Optional[str] = None,
+            gccm_groups: Optional[int] = None,
+            occm_groups: Optional[int] = None,
+            block_groups: Optional[int] = None,
             left_map: Optional[str] = None,
             right_map: Optional[str] = None,
             order: str = 'cm_sm',
@@ -184,13 +186,15 @@ class AFBO(nn.Module):
     ):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        if variant not in AFBO_VARIANTS:
-            raise ValueError(f'unknown AFBO variant {variant!r}; choose one of {", ".join(AFBO_VARIANTS)}')
         if order not in ORDERS:
             raise ValueError(f'unknown order {order!r}; choose one of {", ".join(ORDERS)} '
                              "('cm' = channel mapping only, 'sm' = spatial modelling only)")
         if order != 'cm' and spatial is None:
             raise ValueError(f"order={order!r} needs a spatial op; use order='cm' for channel mapping only")
+        if spatial == 'conv' and order in ('cm_sm', 'sm'):
+            raise ValueError(f"spatial='conv' with order={order!r} is a dense conv on the Md-wide hidden features "
+                             f"(M^2 times Table 10's row: 133 M parameters for DeiT-T, not 13.3 M); Table 10's "
+                             f"'original convolution' is reproduced with order='sm_cm' (conv on the d input channels)")
         if act_position not in ('pre', 'post'):
             raise ValueError(f"act_position must be 'pre' or 'post', got {act_position!r}")
         if act_branch not in ('left', 'right', 'both'):
@@ -199,16 +203,18 @@ class AFBO(nn.Module):
         hidden_features = hidden_features or 4 * in_features
         self.in_features, self.hidden_features, self.out_features = in_features, hidden_features, out_features
         self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
+        groups = {'occm_groups': occm_groups, 'gccm_groups': gccm_groups, 'block_groups': block_groups}
+        variant, kinds = self._resolve_maps(variant, left_map, right_map, order, groups)
         self.variant, self.order, self.kernel_size = variant, order, kernel_size
         self.spatial_kind = None if order == 'cm' else spatial
         self.act_position, self.act_branch = act_position, act_branch
-        self.act_name = _act_name(act_layer)
-        self.act = _ACT_CLASSES[self.act_name]()
+        self.act_name = activation_name(act_layer, default='silu')
+        self.act = create_act(self.act_name)
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
 
-        kinds = (left_map or AFBO_VARIANTS[variant][0], right_map or AFBO_VARIANTS[variant][1])
         self.map_kinds = kinds
-        group_of = {'occm': occm_groups, 'gccm': gccm_groups, 'grouped': block_groups, 'dense': 1}
+        group_of = {kind: groups[arg] or default for kind, (arg, _, default) in _GROUP_ARGS.items()}
+        group_of['dense'] = 1
         if order == 'sm':  # AFBO-S: the FFN's dense fc1 is the one channel mapping, shared by both branches
             self.fc1 = nn.Linear(in_features, hidden_features, bias=bias[0], **dd)
             self.left_map = self.right_map = None
@@ -228,6 +234,42 @@ class AFBO(nn.Module):
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias[1], **dd)
         self.drop2 = nn.Dropout(drop_probs[1])
         self.init_weights()
+
+    @staticmethod
+    def _map_kinds(variant: Optional[str], left_map: Optional[str], right_map: Optional[str]):
+        """(canonical variant name, (left map kind, right map kind)); aliases resolved, unknown names rejected."""
+        variant = AFBO_VARIANT_ALIASES.get(variant, variant) or 'afbo'
+        if variant not in AFBO_VARIANTS:
+            aliases = ', '.join(f'{a} = {v}' for a, v in AFBO_VARIANT_ALIASES.items())
+            raise ValueError(f'unknown AFBO variant {variant!r}; choose one of {", ".join(AFBO_VARIANTS)} ({aliases})')
+        return variant, (left_map or AFBO_VARIANTS[variant][0], right_map or AFBO_VARIANTS[variant][1])
+
+    @staticmethod
+    def group_args_used(variant: Optional[str] = None, left_map: Optional[str] = None, right_map: Optional[str] = None,
+                        order: str = 'cm_sm') -> set:
+        """The group-number arguments (``occm_groups``, ...) that a configuration's channel maps read."""
+        if order == 'sm':  # AFBO-S has no channel maps
+            return set()
+        _, kinds = AFBO._map_kinds(variant, left_map, right_map)
+        return {arg for kind, (arg, _, _) in _GROUP_ARGS.items() if kind in kinds}
+
+    @staticmethod
+    def _resolve_maps(variant, left_map, right_map, order, groups):
+        """(variant name, (left kind, right kind)); errors for options the chosen structure would ignore."""
+        name, kinds = AFBO._map_kinds(variant, left_map, right_map)
+        given = [k for k, v in groups.items() if v is not None]
+        if order == 'sm':  # AFBO-S has no channel maps: a map choice or group number would be ignored
+            extra = [f'{k}={v!r}' for k, v in (('variant', variant), ('left_map', left_map), ('right_map', right_map))
+                     if v is not None] + [f'{k}={groups[k]}' for k in given]
+            if extra:
+                raise ValueError(f"order='sm' (AFBO-S, Table 5) has no channel maps, only the dense fc1 shared by both "
+                                 f"branches, so {', '.join(extra)} would be ignored; drop them or use another order")
+            return name, (None, None)
+        for kind, (arg, symbol, _) in _GROUP_ARGS.items():
+            if arg in given and kind not in kinds:
+                raise ValueError(f'{arg}={groups[arg]} ({symbol}) is set but neither branch uses a {kind} map '
+                                 f'(maps: {kinds[0]}, {kinds[1]}); drop it or choose a variant with a {kind} map')
+        return name, kinds
 
     @property
     def grid_size(self) -> Optional[Tuple[int, int]]:
@@ -297,9 +339,11 @@ class AFBO(nn.Module):
 
     def _combine_into(self, left: torch.Tensor, right: torch.Tensor, dest: torch.Tensor) -> None:
         """:meth:`_combine` written into ``dest``; activates ``left``/``right`` in place (scratch buffers)."""
-        act_ = _ACT_INPLACE[self.act_name]
+        act_ = act_fn_(self.act_name)  # in place where torch can (the inputs are scratch buffers)
         if self.act_position == 'post':
-            act_(torch.mul(left, right, out=dest))
+            y = act_(torch.mul(left, right, out=dest))
+            if y is not dest:  # an activation without an in-place kernel (softplus)
+                dest.copy_(y)
             return
         if self.act_branch in ('left', 'both'):
             left = act_(left)
@@ -385,23 +429,33 @@ class AFBO(nn.Module):
                 f'act={self.act_name} ({self.act_position}, {self.act_branch}), layout={self.layout}')
 
 
-@register_ffn('scfbo_gc')
+@register_ffn('scfbo_gc', inherits=('drop',))
 def scfbo_gc(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
              **kwargs) -> AFBO:
     """SCFBO-GC (Sec. 3.3, Table 1): GCCM (G1 = ``gccm_groups``) in both branches."""
     return AFBO(in_features, hidden_features, out_features, variant='scfbo_gc', **kwargs)
 
 
-@register_ffn('scfbo_oc')
+@register_ffn('scfbo_oc', inherits=('drop',))
 def scfbo_oc(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
              **kwargs) -> AFBO:
     """SCFBO-OC (Sec. 3.3, Table 1): OCCM (G2 = ``occm_groups``) in both branches."""
     return AFBO(in_features, hidden_features, out_features, variant='scfbo_oc', **kwargs)
 
 
-@register_ffn('afbo_full')
+@register_ffn('afbo_full', inherits=('drop',))
 def afbo_full(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
               **kwargs) -> AFBO:
     """FULL channel mapping (App. A.5, Table 14): Eq. 4 with dense channel maps in both branches."""
-    return AFBO(in_features, hidden_features, out_features, variant='full', **kwargs)
+    return AFBO(in_features, hidden_features, out_features, variant='afbo_full', **kwargs)
+
+
+@register_ffn('afbo_grouped', inherits=('drop',))
+def afbo_grouped(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
+                 **kwargs) -> AFBO:
+    """Block-wise channel maps (Eq. 5, G = ``block_groups``) in both branches, with AFBO's spatial modelling.
+
+    Without spatial modelling (``order='cm'``) this is Table 1's Group FFN: the registered ``group_ffn``.
+    """
+    return AFBO(in_features, hidden_features, out_features, variant='afbo_grouped', **kwargs)
 

@@ -4,7 +4,7 @@
 | --------------- | ------------------------------------------------------------- | ------------------------- |
 | ``glu``         | GLU (Shazeer 2020), timm ``GluMlp``, sigmoid gate, width M*d  | Table 1 (M=8/3), 11 (M=4) |
 | ``swiglu``      | SwiGLU (EVA-02), timm ``SwiGLU``, SiLU gate, width M*d        | Table 3                   |
-| ``group_ffn``   | two block-wise (Eq. 5) branches multiplied, no spatial op     | Table 1 Group FFN, 13     |
+| ``group_ffn``   | ``afbo_grouped`` without spatial op (``order='cm'``)          | Table 1 Group FFN, 13     |
 | ``conv_glu``    | ConvGLU (TransNeXt): ``act(DWConv(x W_x)) * (x W_v)``         | Table 3                   |
 | ``convnext_block`` | ConvNeXt block: 7x7 DWConv, LayerNorm, MLP, layer scale    | Table 3                   |
 | ``localvit``    | LocalViT FFN: 1x1 conv-BN-act, kxk depthwise-BN-act, 1x1-BN   | (Sec. 2, related work)    |
@@ -18,6 +18,7 @@ import torch
 from timm.layers import GluMlp, LayerNorm, SwiGLU, to_2tuple
 from torch import nn
 
+from .activations import ACTIVATIONS, activation_name
 from .afbo import AFBO
 from .batchnorm import TokenBatchNorm
 from .layout import TokenLayout, apply_spatial
@@ -25,16 +26,9 @@ from .registry import register_ffn
 
 __all__ = ['glu', 'swiglu', 'group_ffn', 'ConvGLU', 'ConvNeXtFFN', 'LocalViTFFN']
 
-_ACTS = {'sigmoid': nn.Sigmoid, 'silu': nn.SiLU, 'swish': nn.SiLU, 'gelu': nn.GELU, 'relu': nn.ReLU,
-         'hardswish': nn.Hardswish, 'relu6': nn.ReLU6}
-
-
 def _act_class(act_layer: Union[str, Type[nn.Module]]) -> Type[nn.Module]:
-    if isinstance(act_layer, str):
-        if act_layer.lower() not in _ACTS:
-            raise ValueError(f'unknown act_layer {act_layer!r}; use one of {", ".join(sorted(_ACTS))}')
-        return _ACTS[act_layer.lower()]
-    return act_layer
+    """The ``act_layer`` class of a name or class, through the one activation registry."""
+    return ACTIVATIONS[activation_name(act_layer)].module
 
 
 def _gated_width(in_features: int, hidden_features: Optional[int], expansion: Optional[float]) -> int:
@@ -44,7 +38,7 @@ def _gated_width(in_features: int, hidden_features: Optional[int], expansion: Op
     return int(round(expansion * in_features))
 
 
-@register_ffn('glu')
+@register_ffn('glu', inherits=('drop',))
 def glu(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
         act_layer: Union[str, Type[nn.Module]] = 'sigmoid', expansion: Optional[float] = 8 / 3,
         layout: Optional[TokenLayout] = None, **kwargs) -> nn.Module:
@@ -60,7 +54,7 @@ def glu(in_features: int, hidden_features: Optional[int] = None, out_features: O
     return mlp
 
 
-@register_ffn('swiglu')
+@register_ffn('swiglu', inherits=('drop',))
 def swiglu(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
            act_layer: Union[str, Type[nn.Module]] = 'silu', expansion: Optional[float] = 8 / 3,
            layout: Optional[TokenLayout] = None, **kwargs) -> nn.Module:
@@ -79,16 +73,19 @@ def swiglu(in_features: int, hidden_features: Optional[int] = None, out_features
     return mlp
 
 
-@register_ffn('group_ffn')
+@register_ffn('group_ffn', inherits=('drop',))
 def group_ffn(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
               groups: int = 2, **kwargs) -> AFBO:
     """Group FFN (Table 1) / Group Convolution (Table 13): the bilinear FFN with block-wise maps.
 
-    Both branches are the block-diagonal map of Eq. 5 with G = ``groups``, multiplied after
-    the activation of the left branch, then fc2; no spatial op ("AFBO with only CM" with
-    block-wise maps, App. A.4). Cost: ``2Md^2/G + Md^2``, Table 1's formula.
+    ``AFBO(variant='afbo_grouped', order='cm', block_groups=groups)``: both branches are the
+    block-diagonal map of Eq. 5 with G = ``groups``, multiplied after the activation of the left
+    branch, then fc2; no spatial op ("AFBO with only CM" with block-wise maps, App. A.4). Cost:
+    ``2Md^2/G + Md^2``, Table 1's formula. The registered ``afbo_grouped`` keeps the spatial op.
     """
-    return AFBO(in_features, hidden_features, out_features, variant='grouped', block_groups=groups, order='cm',
+    if 'block_groups' in kwargs:
+        raise ValueError(f"group_ffn takes its group number as groups= (got block_groups={kwargs['block_groups']})")
+    return AFBO(in_features, hidden_features, out_features, variant='afbo_grouped', block_groups=groups, order='cm',
                 **kwargs)
 
 
@@ -107,7 +104,7 @@ def _spatial_channels_last(op: nn.Module, h: torch.Tensor, layout: TokenLayout, 
     return apply_spatial(op, h, layout, owner)
 
 
-@register_ffn('conv_glu')
+@register_ffn('conv_glu', inherits=('drop',))
 class ConvGLU(nn.Module):
     """Convolutional GLU of TransNeXt (Shi, CVPR 2024): ``fc2(act(DWConv(x W_x)) * (x W_v))``.
 
@@ -151,7 +148,7 @@ class ConvGLU(nn.Module):
         return y.permute(0, 3, 1, 2) if self.layout.channels_first else y  # (B, H, W, C) -> (B, C, H, W)
 
 
-@register_ffn('convnext_block')
+@register_ffn('convnext_block', inherits=('drop',))
 class ConvNeXtFFN(nn.Module):
     """The ConvNeXt block (Liu et al., CVPR 2022) as a channel mixer, the "ConvNeXt Block" rows of
     AFBO's Table 3: ``gamma * fc2(GELU(fc1(LN(DWConv_k(x)))))``.
@@ -210,7 +207,7 @@ class _ConvBNAct(nn.Module):
         return self.act(self.bn(self.conv(x)))
 
 
-@register_ffn('localvit')
+@register_ffn('localvit', inherits=('drop',))
 class LocalViTFFN(nn.Module):
     """The locality FFN of LocalViT (Li et al., 2021): a MobileNetV2-style inverted residual body.
 

@@ -18,14 +18,14 @@ fewer memory passes and allocations; docs/iffn_speed.md has the measurements beh
 """
 import copy
 import math
-from typing import Callable, Optional, Tuple, Type, Union
+from typing import Optional, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
 from timm.layers import LayerNorm, LayerNorm2d, to_2tuple
 from torch import nn
 
-from .activations import BASE_ACTIVATIONS, ConcatArbitraryActivations, get_base_activation
+from .activations import ConcatArbitraryActivations, act_fn, act_fn_, activation_name
 from .layout import TokenLayout, apply_spatial, batch_slice_size, check_grid, split_tokens
 from .registry import register_ffn
 
@@ -45,20 +45,9 @@ def _fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     return fused
 
 
-# In-place versions of the base activations, for the inference path (softplus has none).
-_INPLACE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    'gelu': torch.ops.aten.gelu_,
-    'relu': torch.relu_,
-    'silu': lambda t: F.silu(t, inplace=True),
-    'swish': lambda t: F.silu(t, inplace=True),
-    'elu': lambda t: F.elu(t, inplace=True),
-}
-
-
 def _activate_(name: str, x: torch.Tensor) -> torch.Tensor:
-    """``phi(x)``, computed in place in ``x`` where torch has an in-place kernel."""
-    inplace = _INPLACE_ACTIVATIONS.get(name)
-    return inplace(x) if inplace is not None else BASE_ACTIVATIONS[name](x)
+    """``phi(x)``, computed in place in ``x`` where torch has an in-place kernel (use the result)."""
+    return act_fn_(name)(x)
 
 
 def _linear_weight(layer: nn.Module) -> torch.Tensor:
@@ -98,8 +87,8 @@ class DepthwiseBlock(nn.Module):
         self.conv = nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, groups=channels,
                               bias=True, **dd)
         self.bn = nn.Identity() if deploy else nn.BatchNorm2d(channels, **dd)
-        self.act_name = get_base_activation(act)
-        self._act = BASE_ACTIVATIONS[self.act_name]
+        self.act_name = activation_name(act)
+        self._act = act_fn(self.act_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self._act(self.bn(self.conv(x)))
@@ -116,7 +105,7 @@ class DepthwiseBlock(nn.Module):
         return fused.train(self.training)
 
 
-@register_ffn('iffn')
+@register_ffn('iffn', inherits=('drop', 'act_layer'))
 class IFFN(nn.Module):
     """Improved FFN (IFFN paper, Sec. 4, Fig. 4b); a drop-in for timm's ``Mlp``.
 
@@ -125,12 +114,19 @@ class IFFN(nn.Module):
         hidden_features: C', the width entering fc2 (default 4C). With the channel part,
             fc1 produces ``C' / num_functions`` channels.
         out_features: output channels (default C).
-        act_layer: basic nonlinear function phi of Eq. 3 (name or timm-style class):
-            'gelu' (AGeLU), 'softplus', 'elu', 'silu', 'relu' (Table 3).
+        act_layer: basic nonlinear function phi of Eq. 3 (name or timm-style class of the activation
+            registry, :mod:`vitblocks.layers.activations`): 'gelu' (AGeLU), 'softplus', 'elu', 'silu'
+            (Table 3).
+        spatial_act_layer: the activation of the depthwise block (``y + act(BN(DWConv(y)))``); default
+            None follows ``act_layer``. Table 3 "replac[es] GeLU with different activation functions
+            with and without using the proposed IFFN module": with IFFN the FFN's GeLUs are the base of
+            AGeLU and the depthwise block's, so a Table 3 row swaps both (the default); pass
+            ``spatial_act_layer='gelu'`` to swap the base only (the authors' code hard-codes this GELU).
         norm_layer: norm after the concatenation and at the output (default LayerNorm,
             LayerNorm2d for channels-first input).
         bias: bias of fc1/fc2 (bool or pair).
-        drop: dropout after the activations and after fc2 (float or pair).
+        drop: dropout after the hidden LayerNorm (the authors' placement; after the activation
+            without the channel part) and after the output LayerNorm (float or pair).
         num_functions: N, number of concatenated arbitrary activations (Table 4).
         channel_part: use the channel-wise enhancement (Table 2).
         spatial_part: use the depthwise block (Table 2).
@@ -162,6 +158,7 @@ class IFFN(nn.Module):
             bias: Union[bool, Tuple[bool, bool]] = True,
             drop: Union[float, Tuple[float, float]] = 0.,
             num_functions: int = 2,
+            spatial_act_layer: Union[str, Type[nn.Module], None] = None,
             channel_part: bool = True,
             spatial_part: bool = True,
             kernel_size: int = 3,
@@ -182,7 +179,8 @@ class IFFN(nn.Module):
         cf = self.layout.channels_first
         if norm_layer is None:
             norm_layer = LayerNorm2d if cf else LayerNorm
-        base = get_base_activation(act_layer)
+        base = activation_name(act_layer)
+        spatial_act = activation_name(spatial_act_layer, default=base)
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
         def linear(i, o, b):  # a token-wise linear layer in the input's layout
             return nn.Conv2d(i, o, 1, bias=b, **dd) if cf else nn.Linear(i, o, b, **dd)
@@ -203,7 +201,8 @@ class IFFN(nn.Module):
             self.act = _Activation(base)
             self.norm = nn.Identity()
         self.drop1 = nn.Dropout(drop_probs[0])
-        self.spatial = DepthwiseBlock(hidden_features, kernel_size, deploy=deploy, **dd) if spatial_part else None
+        self.spatial = DepthwiseBlock(hidden_features, kernel_size, spatial_act, deploy=deploy, **dd) \
+            if spatial_part else None
         self.fc2 = linear(hidden_features, out_features, bias[1])
         self.norm_out = norm_layer(out_features, **dd)
         self.drop2 = nn.Dropout(drop_probs[1])
@@ -231,8 +230,8 @@ class IFFN(nn.Module):
             return self._forward_inference(x)
         x = self.fc1(x)
         x = self.act(x)
-        x = self.drop1(x)
         x = self.norm(x)
+        x = self.drop1(x)  # after the hidden LayerNorm, as the authors' model
         x = self._spatial(x)
         x = self.fc2(x)
         x = self.norm_out(x)
@@ -342,7 +341,7 @@ class _Activation(nn.Module):
     def __init__(self, name: str):
         super().__init__()
         self.name = name
-        self._phi = BASE_ACTIVATIONS[name]
+        self._phi = act_fn(name)
 
     def forward(self, x):
         return self._phi(x)
@@ -353,44 +352,58 @@ class _Activation(nn.Module):
 
 @register_ffn('sum_nonlinear')
 class SumOfNonlinearities(nn.Module):
-    """The "sum of 4C nonlinear functions" FFN replacement of IFFN Eq. 11 (Table 5).
+    """The FFN replaced by a sum of 4C nonlinear functions per channel: IFFN Eq. 11 (Table 5).
 
-    Corollary 3.1 reads the FFN as, per output channel c, a weighted sum of C' nonlinear
-    functions of x_c. This module keeps only that: ``C' = hidden_features`` functions in total,
-    ``K = C' / C`` per channel, ``y_c = sum_k beta_ck * phi(alpha_ck * x_c + gamma_ck) + theta_ck``.
-    With ``arbitrary=False`` (Table 5's "phi = GeLU") there are no inner scales or shifts and
-    only the combination weights ``beta`` are learned: ``y_c = sum_k beta_ck * phi(x_c)``.
-    It mixes no channels, so ``out_features`` must equal ``in_features``; having no linear
-    layers, it accepts ``bias`` (timm ``Mlp`` vocabulary, used by ``swap_ffn``) and ignores it.
+    ``y = phi_1(x) + ... + phi_4C(x)`` is written in scalars (plain ``x``, ``y``, as Eq. 3's
+    scalar ``x``; vectors are bold in the paper), and it is motivated by Corollary 3.1: "each
+    element y_c ... is the linear combination of C' different nonlinear functions to the input
+    element x_c", with C' = 4C. So each channel c gets K = C' = ``hidden_features`` functions of
+    its own x_c (``functions_per_channel`` overrides K; ``functions_per_channel=4``, C' functions
+    in total rather than per channel, is the cheaper reading this module used before 0.2):
+
+    * ``arbitrary=True`` (Table 5's "phi = AGeLU"): ``y_c = sum_k beta_ck GELU(alpha_ck x_c + gamma_ck)
+      + theta_ck`` (Eq. 3 per function; 4KC parameters, K x C activations per token in memory).
+    * ``arbitrary=False`` (Table 5's "phi = GeLU"): the K functions are the same fixed GeLU, so
+      Eq. 11 is exactly ``y_c = K * GELU(x_c)``, computed in that closed form; the layer has no
+      parameters. The paper prints no weights in Eq. 11, so none are added.
+
+    ``act_layer`` is the basic function (any name of the activation registry). It mixes no
+    channels, so ``out_features`` must equal ``in_features``; having no linear layers, it accepts
+    ``bias`` (timm ``Mlp`` vocabulary, used by ``swap_ffn``) and ignores it.
     """
 
     def __init__(self, in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
-                 act_layer: Union[str, Type[nn.Module]] = 'gelu', arbitrary: bool = True, bias: bool = True,
-                 channels_first: bool = False, layout: Optional[TokenLayout] = None, device=None, dtype=None):
+                 act_layer: Union[str, Type[nn.Module]] = 'gelu', arbitrary: bool = True,
+                 functions_per_channel: Optional[int] = None, bias: bool = True, channels_first: bool = False,
+                 layout: Optional[TokenLayout] = None, device=None, dtype=None):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        hidden_features = hidden_features or 4 * in_features
         if out_features not in (None, in_features):
             raise ValueError(f'SumOfNonlinearities is channel-wise: out_features ({out_features}) '
                              f'must equal in_features ({in_features})')
-        if hidden_features % in_features:
-            raise ValueError(f'hidden_features={hidden_features} must be a multiple of in_features={in_features}')
+        k = functions_per_channel or hidden_features or 4 * in_features  # Eq. 11: C' = 4C per channel
+        if k < 1:
+            raise ValueError(f'functions_per_channel must be >= 1, got {k}')
+        self.functions_per_channel = k
         self.channels_first = layout.channels_first if layout is not None else channels_first
         self.arbitrary = arbitrary
+        self.base = activation_name(act_layer)
         if arbitrary:
-            self.act = ConcatArbitraryActivations(in_features, hidden_features // in_features, act_layer, **dd)
+            self.act = ConcatArbitraryActivations(in_features, k, self.base, **dd)
         else:
-            self._phi = BASE_ACTIVATIONS[get_base_activation(act_layer)]
-            self.beta = nn.Parameter(torch.ones(hidden_features // in_features, in_features, **dd))
+            self._phi = act_fn(self.base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.channels_first:
             x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C)
+        k = self.functions_per_channel
         if self.arbitrary:
-            k, c = self.act.alpha.shape
-            y = self.act(x).unflatten(-1, (k, c)).sum(-2)  # (..., K*C) -> (..., K, C) -> (..., C)
+            y = self.act(x).unflatten(-1, (k, x.shape[-1])).sum(-2)  # (..., K*C) -> (..., K, C) -> (..., C)
         else:
-            y = self._phi(x) * self.beta.sum(0)  # Eq. 11 with fixed phi: sum_k beta_ck * phi(x_c)
+            y = self._phi(x) * k  # Eq. 11 with one fixed phi: K identical terms
         if self.channels_first:
             y = y.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
         return y
+
+    def extra_repr(self) -> str:
+        return f'functions_per_channel={self.functions_per_channel}, base={self.base!r}, arbitrary={self.arbitrary}'

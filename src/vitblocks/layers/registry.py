@@ -5,24 +5,38 @@ Every registered class follows timm's ``Mlp`` constructor vocabulary
 accepts ``layout=TokenLayout(...)``, which tells it the token layout of its backbone.
 Adding a block: write the layer, decorate it with ``@register_ffn('name')``; surgery,
 registry tests and profiling then pick it up.
+
+``inherits`` names the constructor knobs that mean the same thing in the block and in the MLP
+it replaces, so that ``swap_ffn`` carries the replaced MLP's value over unless the caller sets
+it: ``'drop'`` (the MLP's two dropout rates) and ``'act_layer'`` where the block's activation
+*is* the backbone's (IFFN's base activation replaces the FFN's GeLU, Eq. 3-4), not where the
+block has its own (AFBO's sigma is SiLU on any backbone, Table 6; GLU's gate is a sigmoid).
 """
 import difflib
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 from torch import nn
 
 
-__all__ = ['register_ffn', 'create_ffn', 'list_ffns', 'FFN_REGISTRY']
+__all__ = ['register_ffn', 'create_ffn', 'list_ffns', 'FFN_REGISTRY', 'FFN_INHERITS']
 
 FFN_REGISTRY: Dict[str, Callable[..., nn.Module]] = {}
+FFN_INHERITS: Dict[str, Tuple[str, ...]] = {}  # name -> knobs swap_ffn carries over from the replaced MLP
+_INHERITABLE = ('drop', 'act_layer')
 
 
-def register_ffn(name: str):
-    """Class/function decorator adding an FFN builder to :data:`FFN_REGISTRY` under ``name``."""
+def register_ffn(name: str, inherits: Tuple[str, ...] = ()):
+    """Class/function decorator adding an FFN builder to :data:`FFN_REGISTRY` under ``name``;
+    ``inherits``: which of ``'drop'``, ``'act_layer'`` it takes over from the MLP it replaces."""
+    unknown = set(inherits) - set(_INHERITABLE)
+    if unknown:
+        raise ValueError(f'inherits= may name {", ".join(_INHERITABLE)}, got {sorted(unknown)}')
+
     def wrap(fn):
         if name in FFN_REGISTRY:
             raise ValueError(f'FFN {name!r} is already registered')
         FFN_REGISTRY[name] = fn
+        FFN_INHERITS[name] = tuple(inherits)
         return fn
     return wrap
 

@@ -30,7 +30,7 @@ from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..layers import TokenLayout, create_ffn
+from ..layers import FFN_INHERITS, TokenLayout, activation_name, create_ffn
 
 __all__ = ['swap_ffn', 'find_ffn_slots', 'SUPPORTED_FAMILIES']
 
@@ -144,6 +144,23 @@ def _mlp_dims(mlp: nn.Module) -> Tuple[int, int, int, bool]:
     return c_in, hidden, c_out, fc1.bias is not None
 
 
+def _inherited(name: str, old: nn.Module, cfg: dict) -> dict:
+    """The knobs the new FFN takes over from the MLP it replaces (``register_ffn(inherits=...)``),
+    unless the caller set them: the two dropout rates, and the activation by its registry name."""
+    knobs = {}
+    wanted = [k for k in FFN_INHERITS.get(name, ()) if k not in cfg]
+    if 'drop' in wanted and isinstance(getattr(old, 'drop1', None), nn.Dropout):
+        drop2 = old.drop2.p if isinstance(getattr(old, 'drop2', None), nn.Dropout) else 0.
+        knobs['drop'] = (old.drop1.p, drop2)
+    if 'act_layer' in wanted and isinstance(getattr(old, 'act', None), nn.Module):
+        try:
+            knobs['act_layer'] = activation_name(type(old.act))
+        except ValueError as e:
+            raise ValueError(f'swap_ffn: {name!r} takes over the activation of the MLP it replaces, and {e}; '
+                             f'pass act_layer= explicitly') from None
+    return knobs
+
+
 def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
              include: Optional[Callable[[str], bool]] = None, **cfg) -> int:
     """Replace the channel MLPs of a timm model with the FFN registered as ``name``.
@@ -155,6 +172,8 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
         include: optional predicate on the slot's qualified name (e.g. ``'blocks.3.mlp'``)
             selecting which slots to replace.
         **cfg: constructor arguments of the FFN (``kernel_size=5``, ``act_layer='silu'``, ...).
+            Knobs the FFN shares with the replaced MLP (its ``register_ffn(inherits=...)``: the
+            dropout rates for all, the activation for IFFN and ``mlp``) default to the MLP's values.
 
     Returns:
         The number of modules replaced. New modules are freshly initialized, on the device and
@@ -176,7 +195,7 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
         if mlp_ratio is not None:
             hidden = int(round(c_in * mlp_ratio))
         ref = old.fc1.weight
-        kwargs = dict(bias=bias, **cfg)
+        kwargs = dict(bias=bias, **_inherited(name, old, cfg), **cfg)
         new = create_ffn(name, c_in, hidden, c_out, layout=layout, device=ref.device, dtype=ref.dtype, **kwargs)
         new.train(old.training)
         setattr(parent, attr, new)
