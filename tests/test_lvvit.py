@@ -111,3 +111,12 @@ def test_bad_options_are_clear_errors():
         LVViT(block_fn=nn.Identity)
     with pytest.raises(RuntimeError, match='ships no weights'):
         timm.create_model('lvvit_s', pretrained=True, **SMALL)
+
+
+@pytest.mark.parametrize('name', ['lvvit_s', 'repa_lvvit_s'])
+def test_small_forward_backward_every_parameter_gets_a_gradient(name):
+    """The registry loop's check at a small width (the full-size loop over LV-ViT is `slow`)."""
+    model = timm.create_model(name, num_classes=10, **SMALL)
+    model(torch.randn(2, 3, 32, 32)).square().mean().backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
