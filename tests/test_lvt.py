@@ -96,3 +96,12 @@ def test_bad_options_are_clear_errors():
         LVT(recursions=0)
     with pytest.raises(RuntimeError, match='ships no weights'):
         timm.create_model('lvt', pretrained=True)
+
+
+@pytest.mark.parametrize('name', ['lvt', 'iffn_lvt', 'afbo_lvt'])
+def test_small_input_forward_backward_every_parameter_gets_a_gradient(name):
+    """The registry loop's check on a 64x64 input (the 224 loop over LVT is `slow`)."""
+    model = timm.create_model(name, num_classes=10)
+    model(torch.randn(2, 3, 64, 64)).square().mean().backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname

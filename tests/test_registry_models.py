@@ -31,7 +31,7 @@ def _small_input_kwargs(name):
 
 
 _HEAVY = ('large', 'huge', '_m36', '_m48', 'swin_small', 'swin_base', 'mixer_l16', 'deit_base', 'vit_base',
-          'lvvit')  # LV-ViT: tests/test_lvvit.py runs the same checks fast at small width
+          'lvvit', 'lvt')  # LV-ViT, LVT: tests/test_lvvit.py, test_lvt.py run the same checks fast (small inputs)
 
 
 def _marks(name):

@@ -17,8 +17,9 @@ parameter count says otherwise or the widths forbid it:
   G2 = 4 would add 1.0 M).
 * PoolFormer, PVTv2-B1, GC ViT: G2 = 4 (A.1; 3 does not divide their 64-channel stage either).
 
-Table 2 backbones timm does not have, so not provided: LVT (Yang et al., 2022), CycleMLP-B1,
-HireMLP-Tiny, Pyramid-VisionLLaMA-S/B/L; EdgeViT-xxs (Table 16) neither.
+LVT (Yang et al., 2022) is not in timm: ``afbo_lvt`` (G2 = 2) is registered in ``models/lvt.py``.
+Table 2 backbones not provided: CycleMLP-B1, HireMLP-Tiny, Pyramid-VisionLLaMA-S/B/L; EdgeViT-xxs
+(Table 16) neither.
 """
 from ..layers import afbo as _afbo_layers  # noqa: F401  (registers the AFBO FFNs)
 from ..layers import ffn_counterparts as _counterparts  # noqa: F401  (registers GLU, SwiGLU, ConvGLU, ...)

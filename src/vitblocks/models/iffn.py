@@ -2,7 +2,7 @@
 
 The '*' rows of Table 1 (DeiT-B, Swin-B, PoolFormer-M48) use a 5x5 depthwise kernel. The
 authors' DeiT models drop the class token and average-pool the patch tokens, so ours do too.
-LVT (the "Portable ViT" rows) is not in timm and is not provided.
+LVT (the "Portable ViT" rows) is not in timm: ``iffn_lvt`` is registered in ``models/lvt.py``.
 """
 from .registry import VariantSpec, register_variant
 from .surgery import swap_ffn
