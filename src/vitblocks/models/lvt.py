@@ -29,7 +29,7 @@ depthwise conv of LVT's own MLP goes with it.
 | ``lvt`` (recursions=2) | 5.52 M | 0.92; 0.84 counted as the papers (see ``papers/iffn.yaml``) |
 """
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -145,8 +145,8 @@ class RecursiveAtrousSelfAttention(nn.Module):
 
 
 class LVTMlp(nn.Module):
-    """LVT's MLP on ``(B, H, W, C)`` maps: fc1, optional 3x3 depthwise conv, GELU, fc2 (timm ``Mlp``
-    vocabulary; Linear on channels-last maps is the authors' 1x1 conv)."""
+    """LVT's MLP on ``(B, H, W, C)`` maps: fc1, optional 3x3 depthwise conv, GELU, fc2 (a Linear on
+    channels-last maps is the authors' 1x1 conv; ``fc1``/``fc2`` are what ``swap_ffn`` reads)."""
 
     def __init__(self, in_features: int, hidden_features: int, depthwise: bool = True, drop: float = 0.):
         super().__init__()
@@ -165,6 +165,8 @@ class LVTMlp(nn.Module):
 
 
 class LVTBlock(nn.Module):
+    """Pre-norm block on ``(B, H, W, C)`` maps: CSA or RASA, then the MLP, each residual."""
+
     def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float, depthwise_mlp: bool, drop_path: float = 0.,
                  drop: float = 0.):
         super().__init__()
