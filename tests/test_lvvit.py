@@ -99,7 +99,7 @@ def test_timm_interface():
     assert model.get_submodule(cfg['first_conv']).in_channels == 3
     feats = timm.create_model('lvvit_s', features_only=True, out_indices=(1, 2), **SMALL)
     assert [f.shape for f in feats(torch.randn(1, 3, 32, 32))] == [(1, 64, 2, 2)] * 2
-    assert vitblocks.models.list_backbones()[:2] == ['lvvit_m', 'lvvit_s']
+    assert {'lvvit_s', 'lvvit_m'} <= set(vitblocks.models.list_backbones())
 
 
 def test_bad_options_are_clear_errors():
