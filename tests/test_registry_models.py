@@ -7,6 +7,7 @@ import vitblocks
 from vitblocks.models import get_variant
 
 ALL_MODELS = vitblocks.list_models()
+BACKBONES = vitblocks.models.list_backbones()  # not-in-timm backbones vitblocks registers with timm
 
 
 def test_registry_is_populated_and_prefixed():
@@ -23,21 +24,23 @@ def test_registry_is_populated_and_prefixed():
 
 def _small_input_kwargs(name):
     """Shrink the input where the architecture allows it, to keep the registry loop fast on CPU."""
-    base = get_variant(name).base
-    if base.startswith(('deit', 'vit_')) and 'patch16' in base:
+    base = get_variant(name).base if name in ALL_MODELS else name
+    if base.startswith(('deit', 'vit_')) and 'patch16' in base or base.startswith('lvvit'):
         return dict(img_size=64)
     return {}
 
 
-_HEAVY = ('large', 'huge', '_m36', '_m48', 'swin_small', 'swin_base', 'mixer_l16', 'deit_base', 'vit_base')
+_HEAVY = ('large', 'huge', '_m36', '_m48', 'swin_small', 'swin_base', 'mixer_l16', 'deit_base', 'vit_base',
+          'lvvit', 'lvt')  # LV-ViT, LVT: tests/test_lvvit.py, test_lvt.py run the same checks fast (small inputs)
 
 
 def _marks(name):
     """Big models (> ~50 M params or Swin at 224) run only with `-m slow` (make test-all)."""
-    return [pytest.mark.slow] if any(h in get_variant(name).base for h in _HEAVY) else []
+    base = get_variant(name).base if name in ALL_MODELS else name
+    return [pytest.mark.slow] if any(h in base for h in _HEAVY) else []
 
 
-@pytest.mark.parametrize('name', [pytest.param(n, marks=_marks(n)) for n in ALL_MODELS])
+@pytest.mark.parametrize('name', [pytest.param(n, marks=_marks(n)) for n in ALL_MODELS + BACKBONES])
 def test_forward_backward(name):
     model = timm.create_model(name, num_classes=10, **_small_input_kwargs(name))
     assert model.pretrained_cfg['architecture'] == name

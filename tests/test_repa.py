@@ -29,6 +29,7 @@ _SMALL = {  # base-name prefix -> (timm kwargs, input size)
     'deit': (dict(depth=2, img_size=32), 32),
     'vit': (dict(depth=2, img_size=32), 32),
     'swin': (dict(depths=(2, 1, 1, 1), img_size=64), 64),  # block 2 of stage 1 has shifted windows
+    'lvvit': (dict(depth=2, img_size=32), 32),  # vitblocks.models.lvvit
 }
 # timm's PoolFormer / Mixer entry points fix their depth, so these are built from the entry point's
 # own kwargs (captured with the family builder stubbed out) with fewer blocks
@@ -88,7 +89,7 @@ def test_every_table1_backbone_timm_has_is_registered():
         'deit_tiny_patch16_224', 'deit_small_patch16_224', 'deit_base_patch16_224', 'vit_large_patch16_224',
         'vit_huge_patch16_224', 'swin_tiny_patch4_window7_224', 'swin_small_patch4_window7_224',
         'swin_base_patch4_window7_224', 'poolformer_s12', 'poolformer_s24', 'poolformer_s36', 'poolformer_m36',
-        'poolformer_m48', 'mixer_b16_224', 'mixer_l16_224')}
+        'poolformer_m48', 'mixer_b16_224', 'mixer_l16_224', 'lvvit_s', 'lvvit_m')}
     assert set(REPA_MODELS) == expected
     huge = get_variant('repa_vit_huge_patch16_224')
     assert huge.base == 'vit_huge_patch14_224' and huge.base_kwargs == {'patch_size': 16}
@@ -122,7 +123,7 @@ def test_registered_model_trains_and_fuses_exactly(name):
     drop = 0
     for u in units:
         c, hid, k = u.in_features, u.hidden_features, u.active_features
-        assert (2 * k * c + c * c) / (2 * hid * c) == pytest.approx(1 - 0.75 + 1 / (2 * hid / c))
+        assert (2 * k * c + c * c) / (2 * hid * c) == pytest.approx(1 - u.idle_ratio + 1 / (2 * hid / c))
         train, deployed = _unit_params(c, hid, k, layer_scale=u.layer_scale is not None)
         drop += train - deployed
     assert count_params(model) - count_params(fused) == drop

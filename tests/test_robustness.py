@@ -259,14 +259,14 @@ def test_stale_files_and_rows_are_cleaned_and_evaluations_not_repeated(data, run
 
 
 def test_sigterm_saves_and_prints_the_resume_command(data, tmp_path, capsys, monkeypatch):
-    step = Trainer.train_step
+    step = Trainer.accumulate_step  # the loop's optimizer step (train_step wraps it for one batch)
 
-    def step_then_signal(self, x, y):
-        loss = step(self, x, y)
+    def step_then_signal(self, batches):
+        loss = step(self, batches)
         if self.global_step == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return loss
-    monkeypatch.setattr(Trainer, 'train_step', step_then_signal)
+    monkeypatch.setattr(Trainer, 'accumulate_step', step_then_signal)
     code, _, err = run_cli(capsys, *tiny_train(data, tmp_path, '--name', 'r'))
     assert code == 130
     assert f'SIGTERM at step 3: saved {tmp_path / "r" / "last.pth"}; resume with: vitblocks train --resume' in err

@@ -87,6 +87,8 @@ class RePaFFN(nn.Module):
             mu = 1 for rho = 4); the first ``K = ceil(H * (1 - theta))`` channels are active.
         layer_scale_init_value: per-channel scale gamma on the FFN branch (``None``: none).
         res_scale_init_value: per-channel scale r on the shortcut (MetaFormer ``res_scale``).
+        branch_scale: a constant (not learned) factor on the FFN branch: LV-ViT's ``1 / skip_lam``.
+            Folded into fc2's weight and bias like gamma.
         drop_path: stochastic-depth rate of the FFN branch.
         channels_first: input is ``(B, C, H, W)`` (1x1 convs, BatchNorm2d; PoolFormer) instead
             of channels-last ``(..., C)`` (tokens ``(B, N, C)`` or maps ``(B, H, W, C)``).
@@ -107,6 +109,7 @@ class RePaFFN(nn.Module):
             idle_ratio: float = 0.75,
             layer_scale_init_value: Optional[float] = None,
             res_scale_init_value: Optional[float] = None,
+            branch_scale: float = 1.0,
             drop_path: float = 0.,
             channels_first: bool = False,
             layout: Optional[TokenLayout] = None,
@@ -125,6 +128,7 @@ class RePaFFN(nn.Module):
         self.channels_first = layout.channels_first if layout is not None else channels_first
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
         self.layer_scale_init_value, self.res_scale_init_value = layer_scale_init_value, res_scale_init_value
+        self.branch_scale = float(branch_scale)
 
         cf = self.channels_first
         norm = nn.BatchNorm2d if cf else TokenBatchNorm
@@ -182,6 +186,8 @@ class RePaFFN(nn.Module):
         y = self.drop2(self.fc2(self.norm_hidden(h)))  # (..., H) -> (..., C)
         if self.layer_scale is not None:
             y = y * self._channel_scale(self.layer_scale)
+        if self.branch_scale != 1.:
+            y = y * self.branch_scale
         shortcut = x * self._channel_scale(self.res_scale) if self.res_scale is not None else x
         return shortcut + self.drop_path(y)
 
@@ -209,6 +215,7 @@ class RePaFFN(nn.Module):
         if self.layer_scale is not None:  # gamma scales fc2's weight *and* bias
             g = self.layer_scale.to(dev, fold)
             w2, b2 = w2 * g[:, None], b2 * g
+        w2, b2 = w2 * self.branch_scale, b2 * self.branch_scale
         r = self.res_scale.to(dev, fold) if self.res_scale is not None else None
 
         # Eq. 6: idle rows of fc1 x idle columns of fc2 (+ shortcut) -> one C x C matrix
@@ -232,7 +239,8 @@ class RePaFFN(nn.Module):
     def extra_repr(self) -> str:
         return (f'in_features={self.in_features}, hidden_features={self.hidden_features}, '
                 f'idle_ratio={self.idle_ratio}, active_features={self.active_features}, '
-                f'channels_first={self.channels_first}')
+                f'channels_first={self.channels_first}' + (f', branch_scale={self.branch_scale:g}'
+                                                           if self.branch_scale != 1. else ''))
 
 
 class RePaDeployedFFN(nn.Module):
@@ -274,9 +282,10 @@ class RePaDeployedFFN(nn.Module):
     def from_config(cls, in_features: int, hidden_features: Optional[int] = None, idle_ratio: float = 0.75,
                     act_layer: Union[str, Type[nn.Module]] = 'gelu', res_scale_init_value: Optional[float] = None,
                     channels_first: bool = False, layout: Optional[TokenLayout] = None, device=None, dtype=None, *,
-                    bias=True, drop=0., layer_scale_init_value=None, drop_path=0.) -> 'RePaDeployedFFN':
+                    bias=True, drop=0., layer_scale_init_value=None, branch_scale=1.,
+                    drop_path=0.) -> 'RePaDeployedFFN':
         """The deployed module that ``RePaFFN(same arguments).fuse()`` returns. The training-only
-        arguments (``bias``, ``drop``, ``layer_scale_init_value``, ``drop_path``) are accepted so
+        arguments (``bias``, ``drop``, ``layer_scale_init_value``, ``branch_scale``, ``drop_path``) are accepted so
         that one config builds either form; they do not change the deployed structure."""
         hidden_features = hidden_features or 4 * in_features
         k = active_channels(hidden_features, idle_ratio)

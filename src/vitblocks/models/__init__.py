@@ -1,8 +1,20 @@
 """Backbone knowledge: surgery (swap blocks into timm models) and registered variants."""
+import timm
+
 from . import iffn  # noqa: F401  (registers the IFFN models)
 from . import afbo  # noqa: F401  (registers the AFBO FFNs, their counterparts and the AFBO models)
+from . import lvvit  # noqa: F401  (registers the LV-ViT backbones lvvit_s, lvvit_m with timm)
+from . import lvt  # noqa: F401  (registers LVT with timm, and iffn_lvt, afbo_lvt)
 from .registry import VariantSpec, get_variant, list_models, register_variant, resolve_model_name
 from .surgery import SUPPORTED_FAMILIES, find_ffn_slots, swap_ffn
 from .repa import list_residual_ffns, swap_residual_ffn  # registers the RePa models
 from .mabvit import add_pre_logits, make_parallel, swap_value_attention  # registers the MABViT models
 from .ninformer import swap_gating_unit  # registers the NiNformer-paper models
+
+# backbones the papers use that timm does not have, registered with timm by these modules
+BACKBONE_MODULES = ('lvvit', 'lvt')
+
+
+def list_backbones():
+    """timm names of the backbones vitblocks adds to timm (e.g. ``lvvit_s``), sorted."""
+    return sorted(n for module in BACKBONE_MODULES for n in timm.list_models(module=module))

@@ -25,8 +25,9 @@ A model's own G1/G2 apply only where the chosen maps read them: ``block_cfg={'va
 on an AFBO model drops its G2 (no OCCM branch), while an explicit ``occm_groups`` with no OCCM
 branch is an error (:class:`~vitblocks.layers.AFBO`).
 
-Table 2 backbones timm does not have, so not provided: LVT (Yang et al., 2022), CycleMLP-B1,
-HireMLP-Tiny, Pyramid-VisionLLaMA-S/B/L; EdgeViT-xxs (Table 16) neither.
+LVT (Yang et al., 2022) is not in timm: ``afbo_lvt`` (G2 = 2) is registered in ``models/lvt.py``.
+Table 2 backbones not provided: CycleMLP-B1, HireMLP-Tiny, Pyramid-VisionLLaMA-S/B/L; EdgeViT-xxs
+(Table 16) neither.
 """
 from functools import partial
 

@@ -1,7 +1,7 @@
 """IFFN models: every IFFN Table 1 row whose backbone timm has.
 
 The '*' rows of Table 1 (DeiT-B, Swin-B, PoolFormer-M48) use a 5x5 depthwise kernel. LVT (the
-"Portable ViT" rows) is not in timm and is not provided.
+"Portable ViT" rows) is not in timm: ``iffn_lvt`` is registered in ``models/lvt.py``.
 
 The DeiT models are the authors' DeiT (AMD-AIG-AIMA/AMD_IFFN, ``vision_transformer.py``), so their
 released checkpoints load (``timm.create_model(name, checkpoint_path=...)``, see

@@ -9,7 +9,11 @@ layer-scale (PoolFormer), drop-path and the shortcut. ``timm.utils.reparameteriz
 * ``repa_vit_huge_patch16_224``: the paper's ViT-H is ViT-H/16 (1280 wide, 32 blocks, 16 heads,
   patch 16, 224 px). timm has only ViT-H/14 at 224 (``vit_huge_patch14_224``), so this model is
   that timm entry built with ``patch_size=16``; the name states the architecture that is built.
-* LV-ViT-S/M (Table 1) are not in timm and are not provided.
+* ``repa_lvvit_s``, ``repa_lvvit_m``: LV-ViT (``vitblocks.models.lvvit``; not in timm) with
+  idle ratio 2/3, not 0.75. The paper's default is theta = 1 - mu / rho with mu = 1 (Sec. 4.1),
+  and LV-ViT's MLP ratio rho is 3; the authors' LV-ViT code activates exactly C of the 3C hidden
+  channels, and only K = C reproduces Table 1's folded sizes (19.1 M / 4.7 GMACs for S; 0.75
+  gives 17.9 M). LV-ViT's constant residual scale 1/skip_lam moves into the unit and is folded.
 * PoolFormer-M36/M48 have no Table 1 row; they are registered for completeness.
 * ``repa_prenorm_{deit_tiny,deit_small,deit_base}_patch16_224``, ``repa_prenorm_vit_{large,huge}_patch16_224``:
   the architecture of the authors' released RePaViT-Tiny/Small/Base/Large/Huge checkpoints
@@ -32,7 +36,7 @@ from .convert_authors import accept_authors_checkpoints
 from .registry import VariantSpec, default_cfgs, register_variant
 from .residual_surgery import list_residual_ffns, register_residual_ffn, swap_residual_ffn
 
-__all__ = ['swap_residual_ffn', 'list_residual_ffns', 'REPA_TABLE1_BASES']
+__all__ = ['swap_residual_ffn', 'list_residual_ffns', 'REPA_TABLE1_BASES', 'REPA_LVVIT_BASES']
 
 register_residual_ffn('repa', repa_ffn, per_layer=('idle_ratio',))
 
@@ -74,6 +78,14 @@ def _swap_repa_authors_vit(model, cfg):
         block.norm1.eps = 1e-5
     return count
 
+
+# LV-ViT (MLP ratio 3): theta = 1 - 1/rho = 2/3, i.e. C active channels, see the module docstring
+REPA_LVVIT_BASES = ('lvvit_s', 'lvvit_m')
+
+for _base in REPA_LVVIT_BASES:
+    register_variant(VariantSpec(
+        name=f'repa_{_base}', method='repa', base=_base, build=_swap_repa, cfg=dict(idle_ratio=2 / 3),
+        description='RePa Table 1 (channel-idle FFN, idle ratio 2/3 = 1 - 1/rho for MLP ratio 3)'))
 
 for _name, _base, _kwargs in REPA_TABLE1_BASES:
     _note = f'; timm {_base} built with patch_size=16 (ViT-H/16 as in the paper; timm has only ViT-H/14)' \

@@ -17,6 +17,10 @@ line), and the surgery
 | ``SwinTransformerBlock``        | ``mlp``          | norm2, drop_path2; map (B, H, W, C)             |
 | ``MetaFormerBlock`` (PoolFormer) | ``mlp``         | norm2, layer_scale2, res_scale2, drop_path2     |
 | ``MixerBlock`` (MlpMixer)       | ``mlp_channels`` | norm2 (drop_path is shared: only its rate)      |
+| ``LVViTBlock`` (LV-ViT)         | ``mlp``          | norm2, drop_path2, the constant 1/skip_lam (ls2) |
+
+LV-ViT's branch scale is a constant, not a learned layer-scale: it moves into the unit as
+``branch_scale`` (RePa folds it into fc2), and the block's ``ls2`` becomes ``nn.Identity``.
 """
 import difflib
 from dataclasses import dataclass
@@ -29,6 +33,7 @@ from timm.models.swin_transformer import SwinTransformerBlock
 from timm.models.vision_transformer import Block
 from torch import nn
 
+from .lvvit import LVViTBlock
 from .surgery import _mlp_dims
 
 __all__ = ['swap_residual_ffn', 'register_residual_ffn', 'list_residual_ffns', 'RESIDUAL_FFN_REGISTRY',
@@ -80,6 +85,7 @@ class _BlockRecipe:
     layer_scale: Optional[str] = None
     res_scale: Optional[str] = None
     drop_path_shared: bool = False  # Mixer: one DropPath serves both halves
+    constant_scale: Optional[str] = None  # a fixed branch scale (LV-ViT ls2), passed as branch_scale=
 
 
 _RECIPES: Dict[type, _BlockRecipe] = {
@@ -88,6 +94,9 @@ _RECIPES: Dict[type, _BlockRecipe] = {
     MetaFormerBlock: _BlockRecipe(ResidualFFNMetaFormerBlock, 'mlp', 'norm2', 'drop_path2',
                                   layer_scale='layer_scale2', res_scale='res_scale2'),
     MixerBlock: _BlockRecipe(ResidualFFNMixerBlock, 'mlp_channels', 'norm2', 'drop_path', drop_path_shared=True),
+    # LV-ViT's block is a timm Block with constant branch scales: once rewired it runs timm's
+    # token-mixer half (its ls1 still divides by skip_lam) and the unit.
+    LVViTBlock: _BlockRecipe(ResidualFFNViTBlock, 'mlp', 'norm2', 'drop_path2', constant_scale='ls2'),
 }
 SUPPORTED_BLOCKS = tuple(cls.__name__ for cls in _RECIPES)
 _REWIRED = frozenset(r.rewired for r in _RECIPES.values())
@@ -159,7 +168,8 @@ def swap_residual_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float]
 
     Args:
         model: a timm model built from ``Block`` (ViT/DeiT), ``SwinTransformerBlock``,
-            ``MetaFormerBlock`` (PoolFormer) or ``MixerBlock`` (MLP-Mixer); changed in place.
+            ``MetaFormerBlock`` (PoolFormer), ``MixerBlock`` (MLP-Mixer) or ``LVViTBlock``
+            (LV-ViT); changed in place.
         name: registered residual unit (``list_residual_ffns()``), e.g. 'repa'.
         mlp_ratio: hidden width relative to the input width; default keeps the original width.
         include: optional predicate on the block's qualified name (e.g. ``'blocks.3'``).
@@ -202,6 +212,8 @@ def swap_residual_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float]
             hidden = int(round(c_in * mlp_ratio))
         ref = old.fc1.weight
         layer_cfg = dict(cfg, **{key: values[i] for key, values in schedules.items()})
+        if recipe.constant_scale:
+            layer_cfg['branch_scale'] = getattr(block, recipe.constant_scale).value
         new = unit.build(
             c_in, hidden, c_out,
             channels_first=isinstance(old.fc1, nn.Conv2d),
@@ -211,7 +223,7 @@ def swap_residual_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float]
             bias=bias, device=ref.device, dtype=ref.dtype, **layer_cfg)
         new.train(old.training)
         setattr(block, recipe.unit, new)
-        for attr in (recipe.norm, recipe.layer_scale, recipe.res_scale):
+        for attr in (recipe.norm, recipe.layer_scale, recipe.res_scale, recipe.constant_scale):
             if attr:
                 setattr(block, attr, nn.Identity())
         if not recipe.drop_path_shared:

@@ -14,6 +14,7 @@ when the input resolution changes.
 | PyramidVisionTransformerV2    | ``stages[s].blocks[i].mlp`` | tokens ``(B, H*W, C)``; grid = the block's   |
 | (PVTv2)                       |                           | ``feat_size`` argument, read every forward  |
 | GlobalContextVit (GC ViT)     | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
+| LVT (``vitblocks.models.lvt``) | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
 
 PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. A forward pre-hook on each block records
 ``feat_size`` in the slot's layout and, for a swapped-in FFN (which takes tokens only), drops the
@@ -31,11 +32,12 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..layers import FFN_INHERITS, TokenLayout, activation_name, create_ffn
+from .lvt import LVT
 
 __all__ = ['swap_ffn', 'find_ffn_slots', 'SUPPORTED_FAMILIES']
 
 SUPPORTED_FAMILIES = ('VisionTransformer', 'SwinTransformer', 'MetaFormer', 'MlpMixer', 'PyramidVisionTransformerV2',
-                      'GlobalContextVit')
+                      'GlobalContextVit', 'LVT')
 
 # A slot: (parent module, attribute name, qualified name, layout for the new FFN).
 Slot = Tuple[nn.Module, str, str, TokenLayout]
@@ -129,7 +131,7 @@ def find_ffn_slots(model: nn.Module) -> List[Slot]:
         for s, stage in enumerate(model.stages):
             for i, blk in enumerate(stage.blocks):
                 slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', _feat_size_arg_layout(blk)))
-    elif isinstance(model, GlobalContextVit):
+    elif isinstance(model, (GlobalContextVit, LVT)):
         for s, stage in enumerate(model.stages):
             for i, blk in enumerate(stage.blocks):  # the blocks run on (B, H, W, C) maps
                 slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, False)))

@@ -1,0 +1,403 @@
+"""LVT, the Lite Vision Transformer (Yang et al., "Lite Vision Transformer with Enhanced
+Self-Attention", CVPR 2022): the IFFN paper's "portable ViT" and an AFBO Table 2 backbone.
+
+Written from the paper and the authors' model definition (``lvt`` with its ImageNet config):
+
+* 4 stages of 2 blocks, widths 64/64/160/256, heads 2/2/5/8, MLP ratios 4/8/4/4. Each stage
+  starts with an overlapping patch embedding (7x7 stride 4, then 3x3 stride 2) + LayerNorm.
+  The whole network runs on channels-last maps ``(B, H, W, C)``.
+* Stage 1 mixes tokens with Convolutional Self-Attention (CSA, :class:`ConvSelfAttention`):
+  each 3x3 neighbourhood (stride 2) attends within itself, with weights predicted from the
+  average-pooled center and one C x C value projection per kernel position.
+* Stages 2-4 use Recursive Atrous Self-Attention (RASA, :class:`RecursiveAtrousSelfAttention`):
+  queries pass a depthwise 3x3 conv shared over dilations 1, 3, 5 (SiLU each, summed), keys and
+  values are spatially reduced (stride 4/2/1 conv + LayerNorm), and the attention is applied
+  ``recursions`` times with shared weights: ``x <- SiLU(attn(x + x_prev))`` (2 in the authors'
+  ImageNet config; the IFFN paper's LVT-R1..R4 are 1..4 recursions, same parameters).
+* MLPs: stage 1 a plain MLP, stages 2-4 ``fc1 -> 3x3 depthwise conv -> GELU -> fc2``.
+* Head of the authors' ImageNet model (``lvt_cls``, the 5.5 M model the papers report): a class
+  token and two VOLO class-attention blocks (timm's ``volo.ClassBlock``) on the final 7x7
+  tokens, LayerNorm, ``head(cls) + 0.5 * max over tokens of aux_head(tokens)`` (the token-
+  labeling head, as LV-ViT; token-labeling training itself is not implemented).
+  ``class_blocks=0`` builds the plain backbone (``lvt``: LayerNorm, average pool, linear; 3.69 M).
+
+``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (input ``(B, H, W, C)``, like GC ViT); the
+depthwise conv of LVT's own MLP goes with it.
+
+| model | params | GMACs (attn matmuls, norms 2/element) |
+| --- | ---: | ---: |
+| ``lvt`` (recursions=2) | 5.52 M | 0.92; 0.84 counted as the papers (see ``papers/iffn.yaml``) |
+"""
+import math
+from typing import List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+from timm.models.volo import ClassBlock
+from torch import nn
+
+__all__ = ['LVT', 'ConvSelfAttention', 'RecursiveAtrousSelfAttention', 'LVTMlp']
+
+
+class ConvSelfAttention(nn.Module):
+    """CSA (LVT Sec. 3.1): attention inside every 3x3 window (stride 2), folded back to the map.
+
+    For each window the attention over its 9 x 9 position pairs is predicted from the average-
+    pooled window center by one linear layer; values get one C x C projection per kernel
+    position (a grouped 1x1 conv in the authors' code). Input and output ``(B, H, W, C)``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, kernel_size: int = 3, stride: int = 2, attn_drop: float = 0.,
+                 proj_drop: float = 0.):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f'CSA: {num_heads} heads do not divide {dim} channels')
+        self.num_heads, self.kernel_size, self.stride = num_heads, kernel_size, stride
+        self.scale = (dim // num_heads) ** -0.5
+        k2 = kernel_size * kernel_size
+        self.attn = nn.Linear(dim, k2 * k2 * num_heads)  # pooled center -> (heads, k2, k2) weights
+        # one C x C value projection per kernel position: a 1x1 conv with k2 groups over (position, channel)
+        self.value = nn.Conv2d(k2 * dim, k2 * dim, 1, groups=k2, bias=False)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        k, s, nh = self.kernel_size, self.stride, self.num_heads
+        k2, pad = k * k, k // 2
+        x_nchw = x.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
+        centers = F.avg_pool2d(x_nchw, s, s, ceil_mode=True).permute(0, 2, 3, 1)  # (B, h, w, C)
+        h, w = centers.shape[1:3]
+        attn = self.attn(centers).reshape(B, h * w, nh, k2, k2).transpose(1, 2)  # (B, nh, N, k2, k2)
+        attn = self.attn_drop((attn * self.scale).softmax(dim=-1))
+
+        v = F.unfold(x_nchw, k, padding=pad, stride=s)  # (B, C * k2, N), channel-major
+        v = v.reshape(B, C, k2, h * w).transpose(1, 2).reshape(B, k2 * C, h * w, 1)  # position-major groups
+        v = self.value(v).reshape(B, k2, nh, C // nh, h * w).permute(0, 2, 4, 1, 3)  # (B, nh, N, k2, C/nh)
+
+        out = (attn @ v).permute(0, 1, 4, 3, 2).reshape(B, C * k2, h * w)  # (B, nh, C/nh, k2, N) -> (B, C*k2, N)
+        out = F.fold(out, (H, W), k, padding=pad, stride=s)  # overlapping windows summed: (B, C, H, W)
+        return self.proj_drop(self.proj(out.permute(0, 2, 3, 1)))  # (B, C, H, W) -> (B, H, W, C)
+
+
+class AtrousDepthwiseConv(nn.Module):
+    """One depthwise 3x3 kernel applied at several dilations, SiLU after each, summed (RASA queries)."""
+
+    def __init__(self, dim: int, dilations: Sequence[int] = (1, 3, 5), bias: bool = False):
+        super().__init__()
+        self.dilations = tuple(dilations)
+        self.weight = nn.Parameter(torch.empty(dim, 1, 3, 3))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        nn.init.kaiming_uniform_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
+        return sum(F.silu(F.conv2d(x, self.weight, self.bias, padding=d, dilation=d, groups=x.shape[1]))
+                   for d in self.dilations)
+
+
+class RecursiveAtrousSelfAttention(nn.Module):
+    """RASA (LVT Sec. 3.2) on ``(B, H, W, C)`` maps: atrous queries, spatially reduced keys and values,
+    applied ``recursions`` times with shared weights (SiLU between, input re-added)."""
+
+    def __init__(self, dim: int, num_heads: int, sr_ratio: int = 1, recursions: int = 2,
+                 dilations: Sequence[int] = (1, 3, 5), attn_drop: float = 0., proj_drop: float = 0.):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f'RASA: {num_heads} heads do not divide {dim} channels')
+        if recursions < 1:
+            raise ValueError(f'recursions must be >= 1, got {recursions}')
+        self.num_heads, self.recursions, self.attn_drop = num_heads, recursions, attn_drop
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.q_atrous = AtrousDepthwiseConv(dim, dilations) if dilations else None
+        self.kv = nn.Linear(dim, 2 * dim, bias=False)
+        self.sr = nn.Conv2d(dim, dim, sr_ratio, sr_ratio) if sr_ratio > 1 else None
+        self.sr_norm = nn.LayerNorm(dim) if sr_ratio > 1 else None
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def _attend(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, W, C = x.shape
+        nh = self.num_heads
+        q = self.q(x)
+        if self.q_atrous is not None:
+            q = self.q_atrous(q.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # conv on (B, C, H, W), back to (B, H, W, C)
+        q = q.reshape(B, H * W, nh, C // nh).transpose(1, 2)  # (B, nh, N, C/nh)
+        if self.sr is not None:
+            x = self.sr_norm(self.sr(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))  # (B, H/r, W/r, C)
+        k, v = self.kv(x).reshape(B, -1, 2, nh, C // nh).permute(2, 0, 3, 1, 4)  # 2 x (B, nh, M, C/nh)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.)
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, H, W, C)))  # (B, nh, N, d) -> (B, H, W, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._attend(x)
+        if self.recursions == 1:
+            return out
+        out = F.silu(out)
+        for _ in range(self.recursions - 1):  # recursion: attend to (previous output + its input)
+            x = out + x
+            out = F.silu(self._attend(x))
+        return out
+
+
+class LVTMlp(nn.Module):
+    """LVT's MLP on ``(B, H, W, C)`` maps: fc1, optional 3x3 depthwise conv, GELU, fc2 (a Linear on
+    channels-last maps is the authors' 1x1 conv; ``fc1``/``fc2`` are what ``swap_ffn`` reads)."""
+
+    def __init__(self, in_features: int, hidden_features: int, depthwise: bool = True, drop: float = 0.):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden_features)
+        self.dwconv = nn.Conv2d(hidden_features, hidden_features, 3, padding=1, groups=hidden_features) \
+            if depthwise else None
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden_features, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc1(x)
+        if self.dwconv is not None:
+            x = self.dwconv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H, W, C') via (B, C', H, W)
+        return self.drop(self.fc2(self.drop(self.act(x))))
+
+
+class LVTBlock(nn.Module):
+    """Pre-norm block on ``(B, H, W, C)`` maps: CSA or RASA, then the MLP, each residual."""
+
+    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float, depthwise_mlp: bool, drop_path: float = 0.,
+                 drop: float = 0.):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = attn
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = LVTMlp(dim, int(dim * mlp_ratio), depthwise_mlp, drop)
+        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, H, W, C)
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class LVTStage(nn.Module):
+    """Overlapping patch embedding (conv + LayerNorm) and the stage's blocks. The first stage takes
+    the image ``(B, 3, H, W)``, the others the previous stage's ``(B, H, W, C)`` map."""
+
+    def __init__(self, in_chs: int, dim: int, patch: int, stride: int, blocks: List[nn.Module],
+                 channels_last_in: bool):
+        super().__init__()
+        self.channels_last_in = channels_last_in
+        self.downsample = nn.Conv2d(in_chs, dim, patch, stride, patch // 2)
+        self.norm = nn.LayerNorm(dim)
+        self.blocks = nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # -> (B, H/s, W/s, C)
+        if self.channels_last_in:
+            x = x.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
+        x = self.norm(self.downsample(x).permute(0, 2, 3, 1))  # (B, C, H, W) -> (B, H, W, C)
+        return self.blocks(x)
+
+
+class LVT(nn.Module):
+    """Lite Vision Transformer (see the module docstring); timm model interface.
+
+    Args:
+        recursions: RASA recursions (2 in the authors' model; LVT-R1..R4 of the IFFN paper).
+        class_blocks: class-attention blocks before the head (2: the authors' ImageNet model;
+            0: the plain backbone with average pooling).
+        aux_head: with class blocks, the token-labeling head on the patch tokens.
+    """
+
+    def __init__(self, num_classes: int = 1000, in_chans: int = 3, embed_dims=(64, 64, 160, 256),
+                 depths=(2, 2, 2, 2), num_heads=(2, 2, 5, 8), mlp_ratios=(4, 8, 4, 4),
+                 depthwise_mlp=(False, True, True, True), sr_ratios=(8, 4, 2, 1), recursions: int = 2,
+                 dilations: Sequence[int] = (1, 3, 5), class_blocks: int = 2, aux_head: bool = True,
+                 global_pool: Optional[str] = None, drop_rate: float = 0., proj_drop_rate: float = 0.,
+                 attn_drop_rate: float = 0., drop_path_rate: float = 0.):
+        super().__init__()
+        pool = 'token' if class_blocks else 'avg'
+        if global_pool not in (None, pool):
+            raise ValueError(f"LVT with class_blocks={class_blocks} pools by {pool!r}, got global_pool={global_pool!r}"
+                             f" (class_blocks=0 for average pooling)")
+        self.num_classes, self.global_pool, self.drop_rate = num_classes, pool, drop_rate
+        self.num_features = self.head_hidden_size = embed_dims[-1]
+        n_blocks = sum(depths)
+        dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # linear, as the authors'
+        stages, c_in, reduction, self.feature_info = [], in_chans, 1, []
+        for s, (dim, depth) in enumerate(zip(embed_dims, depths)):
+            patch, stride = (7, 4) if s == 0 else (3, 2)
+            reduction *= stride
+            blocks = []
+            for i in range(depth):
+                if s == 0:  # CSA in the first stage, RASA after
+                    attn = ConvSelfAttention(dim, num_heads[s], attn_drop=attn_drop_rate, proj_drop=proj_drop_rate)
+                else:
+                    attn = RecursiveAtrousSelfAttention(dim, num_heads[s], sr_ratios[s], recursions, dilations,
+                                                        attn_drop=attn_drop_rate, proj_drop=proj_drop_rate)
+                blocks.append(LVTBlock(dim, attn, mlp_ratios[s], depthwise_mlp[s], dpr[sum(depths[:s]) + i],
+                                       proj_drop_rate))
+            stages.append(LVTStage(c_in, dim, patch, stride, blocks, channels_last_in=s > 0))
+            self.feature_info.append(dict(num_chs=dim, reduction=reduction, module=f'stages.{s}'))
+            c_in = dim
+        self.stages = nn.Sequential(*stages)
+        dim = embed_dims[-1]
+        self.num_prefix_tokens = 1 if class_blocks else 0
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if class_blocks else None
+        self.post_blocks = nn.Sequential(*[ClassBlock(dim, num_heads[-1], mlp_ratio=mlp_ratios[-1])
+                                           for _ in range(class_blocks)])
+        self.norm = nn.LayerNorm(dim)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.use_aux_head = aux_head and class_blocks > 0
+        self.head = self.aux_head = None
+        self.reset_classifier(num_classes)
+        self.apply(self._init_weights)
+        if self.cls_token is not None:
+            trunc_normal_(self.cls_token, std=.02)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        """The authors' init: truncated-normal linears, fan-out normal convs."""
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Conv2d):
+            fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
+            nn.init.normal_(m.weight, 0, math.sqrt(2. / fan_out))
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        if global_pool not in (None, self.global_pool, ''):
+            raise ValueError(f'this LVT pools by {self.global_pool!r}; global_pool={global_pool!r} needs another '
+                             f'class_blocks setting at build time')
+        self.num_classes = num_classes
+        ref = self.stages[0].downsample.weight
+        dd = dict(device=ref.device, dtype=ref.dtype)
+        linear = lambda: nn.Linear(self.num_features, num_classes, **dd)  # noqa: E731
+        self.head = linear() if num_classes > 0 else nn.Identity()
+        self.aux_head = linear() if num_classes > 0 and self.use_aux_head else None
+        for head in (self.head, self.aux_head):
+            if isinstance(head, nn.Linear) and head.weight.device.type != 'meta':
+                self._init_weights(head)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) -> normalized tokens: (B, 1 + H/32 * W/32, C) with class blocks (class token
+        first), else the final map (B, H/32, W/32, C)."""
+        return self._tokens_from_map(self.stages(x))
+
+    def _tokens_from_map(self, x: torch.Tensor) -> torch.Tensor:
+        """Final (B, H, W, C) map -> normalized output of the class-attention blocks."""
+        if self.cls_token is None:
+            return self.norm(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x.flatten(1, 2)], dim=1)  # (B, 1 + H*W, C)
+        return self.norm(self.post_blocks(x))
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Average pool (no class blocks) or class token (+ 0.5 x the per-class max of the aux head)."""
+        pooled = x[:, 0] if self.cls_token is not None else x.mean(dim=(1, 2))  # (B, C)
+        pooled = self.head_drop(pooled)
+        if pre_logits:
+            return pooled
+        logits = self.head(pooled)
+        if self.aux_head is not None:
+            logits = logits + 0.5 * self.aux_head(x[:, 1:]).amax(dim=1)  # (B, N, classes) -> (B, classes)
+        return logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
+                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
+                              intermediates_only: bool = False):
+        """timm's feature API: stage outputs as (B, C, H, W) maps (``norm`` is not applied: LVT's final norm
+        follows the class-attention blocks)."""
+        if output_fmt != 'NCHW':
+            raise ValueError(f'LVT intermediates are NCHW maps, got output_fmt={output_fmt!r}')
+        take, max_index = feature_take_indices(len(self.stages), indices)
+        intermediates = []
+        stages = self.stages[:max_index + 1] if stop_early else self.stages
+        for s, stage in enumerate(stages):
+            x = stage(x)
+            if s in take:
+                intermediates.append(x.permute(0, 3, 1, 2))  # (B, H, W, C) -> (B, C, H, W)
+        if intermediates_only:
+            return intermediates
+        return self._tokens_from_map(x), intermediates
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        take, max_index = feature_take_indices(len(self.stages), indices)
+        self.stages = self.stages[:max_index + 1]
+        if prune_head:
+            self.post_blocks, self.norm, self.cls_token = nn.Sequential(), nn.Identity(), None
+            self.use_aux_head = False
+            self.reset_classifier(0)
+        return take
+
+
+default_cfgs = generate_default_cfgs({  # read by timm's register_model
+    'lvt': dict(url='', num_classes=1000, input_size=(3, 224, 224), pool_size=None, crop_pct=0.96,
+                interpolation='bicubic', mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
+                first_conv='stages.0.downsample', classifier=('head', 'aux_head')),
+})
+
+
+@register_model
+def lvt(pretrained: bool = False, **kwargs) -> LVT:
+    """LVT (5.52 M params): the authors' ImageNet model (``lvt_cls``: 2 RASA recursions, 2 class-attention
+    blocks, token-labeling head). ``recursions=1..4``: the IFFN paper's LVT-R1..R4."""
+    if pretrained:
+        raise RuntimeError('lvt: vitblocks ships no weights (nothing is downloaded); pass checkpoint_path= '
+                           'to timm.create_model to load a checkpoint')
+    return build_model_with_cfg(LVT, 'lvt', pretrained, feature_cfg=dict(out_indices=(0, 1, 2, 3),
+                                                                          feature_cls='getter'), **kwargs)
+
+
+# --- the papers' LVT variants -------------------------------------------------------------------
+# IFFN Table 1 (LVT-R1..R4 + IFFN*, 5x5 kernel) and AFBO Table 2 (LVT + AFBO, G1 = 2, G2 = 2).
+# Their parameter counts (4.98 M, 5.2 M) are reached only if the MLPs of the two class-attention
+# blocks are replaced too; those see one class token and no grid, so they get the FFN's
+# channel part only (IFFN ``spatial_part=False``, AFBO ``order='cm'``).
+
+def swap_class_block_ffns(model: LVT, name: str, **cfg) -> int:
+    """Replace the MLPs of ``model.post_blocks`` (class token only, no grid) with FFN ``name``."""
+    from ..layers import TokenLayout, create_ffn
+    for blk in model.post_blocks:
+        old = blk.mlp
+        ref = old.fc1.weight
+        blk.mlp = create_ffn(name, old.fc1.in_features, old.fc1.out_features, old.fc2.out_features,
+                             layout=TokenLayout(None, 0), device=ref.device, dtype=ref.dtype, **cfg).train(old.training)
+    return len(model.post_blocks)
+
+
+_CHANNEL_ONLY = {'iffn': dict(spatial_part=False), 'afbo': dict(order='cm', spatial=None)}
+
+
+def _swap_everywhere(name: str):
+    def build(model: LVT, cfg):
+        from .surgery import swap_ffn  # surgery knows LVT, so it imports this module
+        swap_ffn(model, name, **cfg)
+        swap_class_block_ffns(model, name, **{**cfg, **_CHANNEL_ONLY[name]})
+    return build
+
+
+def _register_variants():
+    from .registry import VariantSpec, register_variant
+    register_variant(VariantSpec(
+        name='iffn_lvt', method='iffn', base='lvt', build=_swap_everywhere('iffn'), cfg=dict(kernel_size=5),
+        description='IFFN Table 1 LVT + IFFN* (5x5 depthwise; class-attention blocks: channel part only)'))
+    register_variant(VariantSpec(
+        name='afbo_lvt', method='afbo', base='lvt', build=_swap_everywhere('afbo'),
+        cfg=dict(gccm_groups=2, occm_groups=2),
+        description='AFBO Table 2 LVT + AFBO (G1=2, G2=2: 3 divides no LVT width; class-attention blocks: '
+                    'channel mapping only)'))
+
+
+_register_variants()
