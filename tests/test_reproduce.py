@@ -130,13 +130,22 @@ def test_ninformer_missing_dataset_is_an_error(tmp_path, capsys):
 # --- the CIFAR-10 blocks benchmark ---------------------------------------------------------------------
 
 def test_benchmark_models_are_one_backbone_with_one_swap():
-    base = timm.create_model(bench_model_name('vanilla'))
+    with torch.device('meta'):  # structure and counts only
+        models = {c: timm.create_model(bench_model_name(c)) for c in BENCH_CONFIGS}
+    base = models['vanilla']
     assert (base.embed_dim, len(base.blocks), base.patch_embed.grid_size, base.num_prefix_tokens) == (192, 6, (8, 8), 0)
-    assert count_params(base) == 2_693_194
-    swapped = {c: type(timm.create_model(bench_model_name(c)).blocks[0].mlp).__name__ for c in ('iffn', 'afbo', 'repa')}
-    assert swapped == {'iffn': 'IFFN', 'afbo': 'AFBO', 'repa': 'RePaFFN'}
-    nin = timm.create_model(bench_model_name('ninformer')).blocks[0]
+    # 6 blocks of 12 D^2 + 13 D (D = 192), patch embedding 48 D + D, position embedding 64 D, norm, head
+    assert count_params(base) == 6 * (12 * 192 ** 2 + 13 * 192) + 49 * 192 + 64 * 192 + 2 * 192 + 1930 == 2_693_194
+    assert {c: type(models[c].blocks[0].mlp).__name__ for c in ('iffn', 'afbo', 'swiglu', 'repa')} == \
+        {'iffn': 'IFFN', 'afbo': 'AFBO', 'swiglu': 'SwiGLU', 'repa': 'RePaFFN'}
+    assert [type(models[c].blocks[0]).__name__ for c in ('mabvit_glu', 'mabvit_parallel', 'mabvit_glu_parallel')] == \
+        ['Block', 'ParallelBlock', 'ParallelBlock']
+    assert type(models['mabvit_glu'].blocks[0].attn).__name__ == 'ValueActivationAttention'
+    nin = models['ninformer'].blocks[0]
     assert type(nin.attn).__name__ == 'MixerGatingUnit' and nin.norm2 is not nin.norm1
+    # the same embedding, position embedding, norms and head in all nine
+    assert all(count_params(m.patch_embed) + m.pos_embed.numel() + count_params(m.head) ==
+               count_params(base.patch_embed) + base.pos_embed.numel() + count_params(base.head) for m in models.values())
 
 
 @pytest.mark.parametrize('argv, message', [
