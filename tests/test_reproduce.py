@@ -18,7 +18,7 @@ import vitblocks.cli as cli
 from vitblocks.cli import reproduce as reproduce_cmd
 from vitblocks.data import BatchTransform
 from vitblocks.experiments import engine, load_checkpoint
-from vitblocks.experiments.blocks_benchmark import BENCH_CONFIGS, bench_config
+from vitblocks.experiments.blocks_benchmark import BENCH_CONFIGS
 from vitblocks.experiments.reproduce import ninformer_config, ninformer_jobs, select_rows
 from vitblocks.experiments.setup import create_model
 from vitblocks.models.blocks_bench import bench_model_name

@@ -3,9 +3,10 @@
 ``run_benchmark`` trains (or reuses, or resumes) ``<output>/<config>/seed<k>`` for each of the nine
 configurations of ``vitblocks.models.blocks_bench`` with the ``cifar10_blocks`` recipe, and for
 RePa evaluates the trained model and its folded (deployed) form in fp32 on the test split
-(``fold.json``: both top-1s and how many predictions differ). ``summarize`` turns the runs into the
-table rows (top-1 mean and sample std over seeds, params, GMACs, CPU latency relative to vanilla),
-``tradeoff_points`` into the accuracy-vs-cost plot.
+(``fold.json``: both top-1s and how many predictions differ). ``summarize`` measures each
+configuration (top-1 per seed, params, GMACs and CPU latency of the deployed form) and ``table``
+renders it (top-1 mean and sample std over seeds, the difference to vanilla, latency relative to
+vanilla). The CLI (``vitblocks reproduce cifar10-blocks``) adds the plots.
 """
 import json
 import statistics
@@ -21,8 +22,7 @@ from ..models.blocks_bench import BLOCK_CONFIGS, bench_model_name
 from ..profile import benchmark_models, count_macs, count_params, fixed_threads
 from .checkpoint import load_model_weights
 from .config import TrainConfig, load_config, load_recipe, merge
-from .plots import TradeoffPoint
-from .reproduce import find_dataset, run_or_reuse
+from .reproduce import budget_overrides, find_dataset, run_or_reuse
 from .setup import create_model, make_loader, resolve_device, setup_data
 
 __all__ = ['BENCH_CONFIGS', 'BENCH_SEEDS', 'BenchRun', 'bench_config', 'select_configs', 'run_benchmark',
@@ -73,11 +73,8 @@ def bench_config(config: str, seed: int, data: Path, epochs: Optional[int] = Non
     """The config of one benchmark run: the ``cifar10_blocks`` recipe, the configuration's model, the seed,
     then the budget and ``extra`` overrides (every configuration gets the same ones)."""
     layer = {'model': bench_model_name(config), 'data': str(data), 'device': device, 'seed': seed, 'progress': 'auto'}
-    for key, value in (('epochs', epochs), ('max_steps', max_steps), ('train_subset', train_subset),
-                       ('val_subset', test_subset), ('threads', threads)):
-        if value is not None:
-            layer[key] = value
-    return merge(load_recipe('cifar10_blocks'), layer, extra or {})
+    budget = budget_overrides(epochs, max_steps, train_subset, test_subset, threads)
+    return merge(load_recipe('cifar10_blocks'), layer, budget, extra or {})
 
 
 def bench_data(data_root: Optional[str]) -> Path:

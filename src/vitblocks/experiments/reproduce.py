@@ -26,7 +26,7 @@ from .engine import train
 from .setup import create_model
 
 __all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'ninformer_config', 'ninformer_jobs',
-           'ninformer_data', 'table_rows', 'find_dataset', 'run_or_reuse', 'select_rows']
+           'ninformer_data', 'table_rows', 'find_dataset', 'run_or_reuse', 'select_rows', 'budget_overrides']
 
 # dataset -> (paper table number, folder name, recipe overrides). The authors' script is a
 # CIFAR script (random crop with 4-pixel padding, horizontal flips); the paper states no
@@ -181,11 +181,16 @@ def ninformer_config(ds: str, row, data: Path, epochs: Optional[int] = None, max
     (``NINFORMER_DATASETS``), the row's model, then the budget and ``extra`` overrides."""
     layer = {'model': row.model, 'data': str(data), 'device': device, 'progress': 'auto',
              'model_kwargs': dict(row.base_kwargs), 'mlp_drop': dropout, 'num_classes': row.base_kwargs.get('num_classes')}
-    for key, value in (('epochs', epochs), ('max_steps', max_steps), ('train_subset', train_subset),
-                       ('val_subset', test_subset), ('threads', threads)):
-        if value is not None:
-            layer[key] = value
-    return merge(load_recipe('ninformer'), NINFORMER_DATASETS[ds][2], layer, extra or {})
+    budget = budget_overrides(epochs, max_steps, train_subset, test_subset, threads)
+    return merge(load_recipe('ninformer'), NINFORMER_DATASETS[ds][2], layer, budget, extra or {})
+
+
+def budget_overrides(epochs: Optional[int] = None, max_steps: Optional[int] = None, train_subset: Optional[int] = None,
+                     test_subset: Optional[int] = None, threads: Optional[int] = None) -> Dict:
+    """The config keys of a harness's budget options, only those given."""
+    given = {'epochs': epochs, 'max_steps': max_steps, 'train_subset': train_subset, 'val_subset': test_subset,
+             'threads': threads}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def table_rows(runs: Sequence[TableRun]):
