@@ -90,6 +90,9 @@ def swap_gating_unit(model: nn.Module, token_mlp_dim: int = 512, channel_mlp_dim
 def _set_ffn_dropout(mlp: nn.Module, p: float) -> None:
     """Dropout ``p`` at both dropout points of a timm ``Mlp`` (after the activation, after fc2), as the
     authors' ``FeedForward``; refuses to overwrite a different nonzero rate (e.g. from proj_drop_rate)."""
+    if not all(isinstance(getattr(mlp, n, None), nn.Dropout) for n in ('drop1', 'drop2')):
+        raise ValueError(f'drop= sets the dropout of the outer FFN, a timm Mlp (drop1, drop2); this block has a '
+                         f'{type(mlp).__name__}: give its dropout when building it')
     for name in ('drop1', 'drop2'):
         old = getattr(mlp, name)
         if old.p and old.p != p:
