@@ -2,9 +2,10 @@
 
 ``ninformer_table1``: the four models of NiNformer's Table 1 (ViT, MLP-Mixer, LocalViT,
 NiNformer; rows and published accuracies from ``vitblocks/papers/ninformer.yaml``) trained with
-the ``ninformer`` recipe (Adam 1e-3, batch 128, 100 epochs, per-channel normalization, dropout 0.5 in
-the MLP sub-units as in the authors' script, random flips on CIFAR only) and evaluated on the un-augmented test split
-(the authors' script evaluates with the training augmentation; we do not).
+the ``ninformer`` recipe (Adam 1e-3, batch 128, 100 epochs; as the authors' script: normalization
+by 0.5/0.5, dropout 0.5 in every feed-forward net, random crop with 4-pixel padding and flips, the
+last two on CIFAR only) and evaluated on the un-augmented test split (the authors' script
+evaluates with the training augmentation; we do not).
 
 Runs go to ``<output>/<dataset>/<model>``; a finished run is reused, an interrupted one is
 resumed, and one run on a smaller budget (``--max-steps``, ``--epochs``) is continued, so the
@@ -24,14 +25,15 @@ from .config import RESUME_CHANGEABLE, TrainConfig, load_config, load_recipe, me
 from .engine import train
 from .setup import create_model
 
-__all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'ninformer_jobs', 'table_rows', 'find_dataset']
+__all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'ninformer_config', 'ninformer_jobs',
+           'ninformer_data', 'table_rows', 'find_dataset', 'run_or_reuse', 'select_rows', 'budget_overrides']
 
 # dataset -> (paper table number, folder name, recipe overrides). The authors' script is a
-# CIFAR script (random horizontal flips); the paper states no augmentation, and a mirrored digit
-# is another digit, so MNIST trains without flips (measured: 1 epoch of NiNformer on MNIST,
-# fp32: 92.65% with flips, 95.93% without, dropout 0.5 in every MLP).
+# CIFAR script (random crop with 4-pixel padding, horizontal flips); the paper states no
+# augmentation, and a mirrored digit is another digit, so MNIST trains without either (measured:
+# 1 epoch of NiNformer on MNIST, fp32: 92.65% with flips, 95.93% without, dropout 0.5 in every MLP).
 NINFORMER_DATASETS = {
-    'mnist': ('1-MNIST', 'mnist', {'hflip': 0.0}),
+    'mnist': ('1-MNIST', 'mnist', {'hflip': 0.0, 'crop_padding': 0}),
     'cifar10': ('1-CIFAR10', 'cifar10', {}),
     'cifar100': ('1-CIFAR100', 'cifar100', {}),
 }
@@ -53,6 +55,9 @@ class TableRun:
 
 
 def find_dataset(name: str, root: Optional[str]) -> Optional[Path]:
+    """``<root>/<name>`` for the first root holding it (``root``, else ``data_roots()``), or None."""
+    if root and not Path(root).is_dir():
+        raise DataError(f'--data-root {root}: no such folder; give the folder that holds {name}/')
     roots = [Path(root)] if root else data_roots()
     for r in roots:
         if (r / name).exists():
@@ -75,7 +80,7 @@ def _check_same_model(cfg: TrainConfig, results: Dict, run_dir: Path) -> None:
                         f'again, or use another --output')
 
 
-def _run_one(cfg: TrainConfig, run_dir: Path) -> Dict:
+def run_or_reuse(cfg: TrainConfig, run_dir: Path) -> Dict:
     """Reuse a finished run of this config (the results alone suffice: checkpoints may be gone), continue
     one that stopped or ran on a smaller budget (only ``RESUME_CHANGEABLE`` keys may differ), else start it."""
     last, results = run_dir / 'last.pth', run_dir / 'results.json'
@@ -96,11 +101,32 @@ def _run_one(cfg: TrainConfig, run_dir: Path) -> Dict:
     return json.loads(results.read_text())
 
 
+def _row_names(row) -> List[str]:
+    """The names ``--models`` accepts for a paper row, lower-case: its label, the label without its
+    parenthesis ('NiNformer (ours)' -> 'ninformer'), its model name, and that without the input
+    suffix ('ninformer_vit_patch4_28' -> 'ninformer_vit_patch4')."""
+    label = row.label.lower()
+    return [label, label.split(' (')[0], row.model.lower(), row.model.lower().rsplit('_', 1)[0]]
+
+
+def select_rows(rows, models: Optional[Sequence[str]], what: str = 'Table 1'):
+    """The rows ``models`` names (case-insensitive: see ``_row_names``), in table order; every name must
+    match a row, so a typo is an error rather than a table with a missing row."""
+    if models is None:
+        return list(rows)
+    wanted = [m.strip() for m in models if m.strip()]
+    unknown = [m for m in wanted if not any(m.lower() in _row_names(r) for r in rows)]
+    if unknown or not wanted:
+        raise DataError(f'--models: unknown {", ".join(unknown) or "(empty)"}; {what} has '
+                        f'{", ".join(r.label.split(" (")[0] for r in rows)} (row labels or model names, e.g. '
+                        f'{rows[0].model})')
+    return [r for r in rows if any(m.lower() in _row_names(r) for m in wanted)]
+
+
 def _table_rows(ds: str, models: Optional[Sequence[str]]):
     if ds not in NINFORMER_DATASETS:
         raise DataError(f'unknown dataset {ds!r}; Table 1 has {", ".join(NINFORMER_DATASETS)}')
-    table = load_paper('ninformer').table(NINFORMER_DATASETS[ds][0])
-    return [r for r in table.rows if models is None or r.label in models or r.model in models]
+    return select_rows(load_paper('ninformer').table(NINFORMER_DATASETS[ds][0]).rows, models)
 
 
 def ninformer_jobs(datasets: Sequence[str], models: Optional[Sequence[str]] = None) -> List[Tuple[str, str]]:
@@ -114,34 +140,57 @@ def ninformer_table1(datasets: Sequence[str] = ('mnist', 'cifar10'), epochs: Opt
                      output: str = 'runs/ninformer-table1', dropout: float = 0.5, threads: Optional[int] = None,
                      models: Optional[Sequence[str]] = None, extra: Optional[Dict] = None) -> List[TableRun]:
     """Train and evaluate the Table 1 rows for ``datasets``; returns one ``TableRun`` per row."""
-    recipe = load_recipe('ninformer')
     out: List[TableRun] = []
-    for ds in datasets:
-        rows = _table_rows(ds, models)
-        _, folder, ds_overrides = NINFORMER_DATASETS[ds]
-        path = find_dataset(folder, data_root)
+    plan = [(ds, _table_rows(ds, models)) for ds in datasets]  # check every name before training anything
+    paths = {ds: ninformer_data(ds, data_root) for ds in datasets}
+    for ds, rows in plan:
+        folder, path = NINFORMER_DATASETS[ds][1], paths[ds]
         for row in rows:
             run = TableRun(ds, row.label, row.model, row.top1)
             out.append(run)
             if path is None:
-                run.note = (f'{folder} not found under {data_root or "the data roots"}'
-                            + ('; CIFAR-100 is not available here' if ds == 'cifar100' else ''))
+                run.note = f'{folder} not found under {data_root or "the data roots"}; CIFAR-100 is not available here'
                 continue
-            layer = {'model': row.model, 'data': str(path), 'device': device, 'progress': 'auto',
-                     'model_kwargs': dict(row.base_kwargs), 'mlp_drop': dropout,
-                     'num_classes': row.base_kwargs.get('num_classes')}
-            for key, value in (('epochs', epochs), ('max_steps', max_steps), ('train_subset', train_subset),
-                               ('val_subset', test_subset), ('threads', threads)):
-                if value is not None:
-                    layer[key] = value
-            cfg = merge(recipe, ds_overrides, layer, extra or {})
+            cfg = ninformer_config(ds, row, path, epochs=epochs, max_steps=max_steps, train_subset=train_subset,
+                                   test_subset=test_subset, device=device, dropout=dropout, threads=threads,
+                                   extra=extra)
             run.run_dir = Path(output) / ds / row.model
-            res = _run_one(cfg, run.run_dir)
+            res = run_or_reuse(cfg, run.run_dir)
             run.top1, run.best_top1 = res['final']['top1'], res.get('best_top1')
             run.steps, run.epochs, run.seconds = res['global_step'], res['epochs'], res['seconds']
             if test_subset:
                 run.note = f'first {res["final"]["num_images"]} test images only'
     return out
+
+
+def ninformer_data(ds: str, data_root: Optional[str]) -> Optional[Path]:
+    """The folder of Table 1 dataset ``ds``; a missing one is an error, except CIFAR-100 (not available here:
+    its column is documented to stay empty)."""
+    folder = NINFORMER_DATASETS[ds][1]
+    path = find_dataset(folder, data_root)
+    if path is None and ds != 'cifar100':
+        raise DataError(f'{folder}/ not found under {data_root or ", ".join(map(str, data_roots()))}; '
+                        f'give --data-root DIR with DIR/{folder}')
+    return path
+
+
+def ninformer_config(ds: str, row, data: Path, epochs: Optional[int] = None, max_steps: Optional[int] = None,
+                     train_subset: Optional[int] = None, test_subset: Optional[int] = None, device: str = 'auto',
+                     dropout: float = 0.5, threads: Optional[int] = None, extra: Optional[Dict] = None) -> TrainConfig:
+    """The config one Table 1 run trains with: the ``ninformer`` recipe, the dataset's overrides
+    (``NINFORMER_DATASETS``), the row's model, then the budget and ``extra`` overrides."""
+    layer = {'model': row.model, 'data': str(data), 'device': device, 'progress': 'auto',
+             'model_kwargs': dict(row.base_kwargs), 'mlp_drop': dropout, 'num_classes': row.base_kwargs.get('num_classes')}
+    budget = budget_overrides(epochs, max_steps, train_subset, test_subset, threads)
+    return merge(load_recipe('ninformer'), NINFORMER_DATASETS[ds][2], layer, budget, extra or {})
+
+
+def budget_overrides(epochs: Optional[int] = None, max_steps: Optional[int] = None, train_subset: Optional[int] = None,
+                     test_subset: Optional[int] = None, threads: Optional[int] = None) -> Dict:
+    """The config keys of a harness's budget options, only those given."""
+    given = {'epochs': epochs, 'max_steps': max_steps, 'train_subset': train_subset, 'val_subset': test_subset,
+             'threads': threads}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def table_rows(runs: Sequence[TableRun]):

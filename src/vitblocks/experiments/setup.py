@@ -28,10 +28,11 @@ def resolve_device(name: str) -> torch.device:
 
 def mlp_dropout_kwargs(name: str, p: float) -> Dict[str, Any]:
     """Model kwargs for dropout ``p`` in a model's MLP sub-units, the NiNformer authors' setting
-    (0.5 inside NiNformer's Mixer sub-unit, ``block_cfg=dict(drop=0.5)`` per
-    ``vitblocks.models.ninformer``). The NiNformer-paper models that swap blocks in (NiNformer,
-    MLP-Mixer, LocalViT) take it as ``block_cfg.drop``; timm models (and the paper's plain ViT
-    baseline) as ``proj_drop_rate`` (dropout in the blocks' MLP and attention projection)."""
+    (0.5 in every feed-forward net: NiNformer's Mixer token/channel MLPs and its outer FFN,
+    ``block_cfg=dict(drop=0.5)`` per ``vitblocks.models.ninformer``). The NiNformer-paper models
+    that swap blocks in (NiNformer, MLP-Mixer, LocalViT) take it as ``block_cfg.drop``; timm models
+    (and the paper's plain ViT baseline) as ``proj_drop_rate`` (dropout in the blocks' MLP and
+    attention projection)."""
     if not p:
         return {}
     if name.startswith('ninformer_') and not name.startswith('ninformer_baseline_vit'):

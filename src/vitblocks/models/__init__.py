@@ -10,6 +10,7 @@ from .surgery import SUPPORTED_FAMILIES, find_ffn_slots, swap_ffn
 from .repa import list_residual_ffns, swap_residual_ffn  # registers the RePa models
 from .mabvit import add_pre_logits, make_parallel, swap_value_attention  # registers the MABViT models
 from .ninformer import swap_gating_unit  # registers the NiNformer-paper models
+from . import blocks_bench  # noqa: F401  (registers the CIFAR-10 blocks benchmark models)
 
 # backbones the papers use that timm does not have, registered with timm by these modules
 BACKBONE_MODULES = ('lvvit', 'lvt')

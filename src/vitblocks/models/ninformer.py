@@ -32,8 +32,11 @@ Interpretation notes:
   attention plus average pooling is invariant to permuting the patches, a bag-of-patches model.
   Built that way it reached only 82.83% on MNIST and 57.37% on CIFAR-10 after the paper's 100
   epochs (paper: 97.12 / 65.74; docs/training.md). ``pos_embed='none'`` builds it as printed.
-* Dropout: the paper states none; the authors' NiNformer script uses 0.5 inside every MLP.
-  Default 0 here; ``block_cfg=dict(drop=0.5)`` reproduces the script for NiNformer.
+* Dropout: the paper states none; the authors' NiNformer script uses 0.5 in every feed-forward
+  net of a block: the token and channel MLPs of the Mixer sub-unit *and* the block's outer FFN
+  (Eq. 10), each after its activation and after its second linear layer. Default 0 here;
+  ``block_cfg=dict(drop=0.5)`` reproduces the script for NiNformer (all three MLPs), as
+  ``mlp_drop=0.5`` does for training (``vitblocks.experiments.setup.mlp_dropout_kwargs``).
 """
 from functools import partial
 
@@ -60,7 +63,11 @@ def swap_gating_unit(model: nn.Module, token_mlp_dim: int = 512, channel_mlp_dim
 
     ``blocks[i].attn`` becomes a :class:`~vitblocks.layers.MixerGatingUnit` for the model's
     fixed token count; with ``shared_norm`` (the authors' code) ``blocks[i].norm2`` becomes the
-    same module as ``norm1``. Returns the number of blocks changed.
+    same module as ``norm1``. ``drop`` is the dropout of every feed-forward net of the block, as
+    in the authors' script: the Mixer sub-unit's token and channel MLPs and the block's outer
+    FFN ``blocks[i].mlp`` (after its activation and after fc2). A model built with timm's
+    ``proj_drop_rate`` already has outer-FFN dropout; a different nonzero ``drop`` is an error.
+    Returns the number of blocks changed.
     """
     if not isinstance(model, VisionTransformer):
         raise ValueError(f'swap_gating_unit supports timm VisionTransformer models, got {type(model).__name__}')
@@ -73,9 +80,25 @@ def swap_gating_unit(model: nn.Module, token_mlp_dim: int = 512, channel_mlp_dim
         unit = MixerGatingUnit(model.embed_dim, num_tokens, token_mlp_dim, channel_mlp_dim, drop=drop,
                                device=ref.device, dtype=ref.dtype)
         blk.attn = unit.train(blk.training)
+        if drop:
+            _set_ffn_dropout(blk.mlp, drop)
         if shared_norm:
             blk.norm2 = blk.norm1  # one LayerNorm instance before Eq. 9 and Eq. 10
     return len(model.blocks)
+
+
+def _set_ffn_dropout(mlp: nn.Module, p: float) -> None:
+    """Dropout ``p`` at both dropout points of a timm ``Mlp`` (after the activation, after fc2), as the
+    authors' ``FeedForward``; refuses to overwrite a different nonzero rate (e.g. from proj_drop_rate)."""
+    if not all(isinstance(getattr(mlp, n, None), nn.Dropout) for n in ('drop1', 'drop2')):
+        raise ValueError(f'drop= sets the dropout of the outer FFN, a timm Mlp (drop1, drop2); this block has a '
+                         f'{type(mlp).__name__}: give its dropout when building it')
+    for name in ('drop1', 'drop2'):
+        old = getattr(mlp, name)
+        if old.p and old.p != p:
+            raise ValueError(f'the outer FFN already has dropout {old.p} (proj_drop_rate) but the NiNformer block '
+                             f'config asks for drop={p}; give one of the two')
+        setattr(mlp, name, nn.Dropout(p))
 
 
 def _build_ninformer(model, cfg):

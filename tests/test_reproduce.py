@@ -1,0 +1,228 @@
+"""`vitblocks reproduce`: NiNformer Table 1 as the authors' script trains it, and the CIFAR-10 blocks benchmark
+through the whole harness on tiny budgets (every configuration; kill and resume), so CI needs no GPU."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import yaml
+from torch import nn
+
+import vitblocks.cli as cli
+from vitblocks.cli import reproduce as reproduce_cmd
+from vitblocks.data import BatchTransform
+from vitblocks.experiments import engine, load_checkpoint
+from vitblocks.experiments.blocks_benchmark import BENCH_CONFIGS
+from vitblocks.experiments.reproduce import ninformer_config, ninformer_jobs, select_rows
+from vitblocks.experiments.setup import create_model
+from vitblocks.models.blocks_bench import bench_model_name
+from vitblocks.papers import load_paper
+from vitblocks.profile import count_params
+
+from _train_helpers import write_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "model_kwargs={embed_dim: 48, depth: 1}"  # every benchmark block at width 48, one block: milliseconds a step
+
+
+@pytest.fixture(autouse=True)
+def _reproduce_command(monkeypatch):
+    if reproduce_cmd not in cli.COMMANDS:
+        monkeypatch.setattr(cli, 'COMMANDS', cli.COMMANDS + (reproduce_cmd,))
+
+
+def run_cli(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope='module')
+def cifar_root(tmp_path_factory) -> Path:
+    """A 10-class 32x32 stand-in for CIFAR-10: 48 training and 16 test images."""
+    root = tmp_path_factory.mktemp('data')
+    write_shards(root / 'cifar10', 'train', n=48, per_shard=48, size=32, num_classes=10)
+    write_shards(root / 'cifar10', 'test', n=16, per_shard=16, size=32, num_classes=10, seed=1)
+    return root
+
+
+# --- NiNformer Table 1, as the authors' script trains it ------------------------------------------------
+
+def _row(table: str, label: str):
+    return next(r for r in load_paper('ninformer').table(table).rows if r.label.startswith(label))
+
+
+def test_ninformer_dropout_is_in_every_feed_forward_net():
+    """The authors' NiNBlock: dropout 0.5 in the Mixer's token and channel MLPs and in the outer FFN (after the
+    activation and after the second linear); dropout has no parameters, so the counts stay the paper's."""
+    cfg = ninformer_config('cifar10', _row('1-CIFAR10', 'NiNformer'), Path('unused'))
+    model = create_model(cfg, 10)
+    assert count_params(model) == 2_652_170
+    for blk in model.blocks:
+        mixer = blk.attn.mixer
+        for mlp in (blk.mlp, mixer.mlp_tokens, mixer.mlp_channels):
+            assert (mlp.drop1.p, mlp.drop2.p) == (0.5, 0.5)
+    plain = timm.create_model('ninformer_vit_patch4_32')
+    assert all(m.p == 0 for m in plain.modules() if isinstance(m, nn.Dropout))
+    # the outer FFN's dropout acts: in train mode the output of one block's FFN is random
+    x = torch.randn(2, 64, 256)
+    mlp = model.blocks[0].mlp.train()
+    assert not torch.equal(mlp(x), mlp(x))
+    with pytest.raises(ValueError, match='proj_drop_rate.*give one of the two'):
+        timm.create_model('ninformer_vit_patch4_32', proj_drop_rate=0.3, block_cfg=dict(drop=0.5))
+
+
+def test_ninformer_recipe_follows_the_authors_script():
+    cifar = ninformer_config('cifar10', _row('1-CIFAR10', 'NiNformer'), Path('cifar10'))
+    assert (cifar.opt, cifar.lr, cifar.batch_size, cifar.epochs, cifar.sched) == ('adam', 1e-3, 128, 100, 'none')
+    assert (cifar.crop_padding, cifar.hflip, cifar.mlp_drop, cifar.mean, cifar.std) == (4, 0.5, 0.5, 'model', 'model')
+    assert timm.create_model(cifar.model).pretrained_cfg['mean'] == (0.5, 0.5, 0.5)  # Normalize(0.5, 0.5)
+    mnist = ninformer_config('mnist', _row('1-MNIST', 'ViT'), Path('mnist'))
+    assert (mnist.crop_padding, mnist.hflip, mnist.mlp_drop) == (0, 0.0, 0.5)  # no crops or mirrored digits
+
+
+def test_crop_padding_4_shifts_the_training_images_only():
+    """RandomCrop(32, padding=4): each training image is shifted by up to 4 pixels with zeros coming in;
+    the test transform leaves the image alone."""
+    images = torch.randint(1, 256, (64, 3, 32, 32), dtype=torch.uint8)  # no zero pixel of its own
+    unit = dict(input_size=(3, 32, 32), mean=(0.0,) * 3, std=(1 / 255,) * 3, crop_padding=4)
+    out = BatchTransform(training=True, **unit)(images, torch.Generator().manual_seed(0))
+    zero_rows = (out == 0).all(dim=(1, 3)).sum(1)  # (B,) rows of zeros padded in
+    zero_cols = (out == 0).all(dim=(1, 2)).sum(1)
+    assert zero_rows.max() <= 4 and zero_cols.max() <= 4 and (zero_rows + zero_cols > 0).float().mean() > 0.5
+    assert torch.equal(BatchTransform(training=False, **unit)(images), images.float())
+
+
+def test_models_are_matched_by_label_or_name_in_any_case():
+    jobs = lambda *names: ninformer_jobs(['mnist'], list(names))
+    assert jobs('NiNformer') == jobs('ninformer (ours)') == jobs('ninformer_vit_patch4_28') == \
+        [('mnist', 'ninformer_vit_patch4_28')]
+    assert jobs('ViT', 'NiNformer') == [('mnist', 'ninformer_baseline_vit_patch4_28'), ('mnist', 'ninformer_vit_patch4_28')]
+    assert [r.label for r in select_rows(load_paper('ninformer').table('1-CIFAR10').rows, ['mlpmixer', 'LOCALVIT'])] \
+        == ['MlpMixer', 'LocalViT']
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--models', 'Foo'], "--models: unknown Foo; Table 1 has ViT, MlpMixer, LocalViT, NiNformer"),
+    (['--models', 'ViT,Foo', '--jobs', '2'], '--models: unknown Foo'),
+    (['--data-root', '/nonexistent'], '--data-root /nonexistent: no such folder'),
+    (['--configs', 'iffn'], '--configs: an option of `reproduce cifar10-blocks` only'),
+])
+def test_ninformer_bad_options_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    code, out, err = run_cli(capsys, 'reproduce', 'ninformer-table1', '--output', tmp_path, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and out == ''
+    assert not any(tmp_path.iterdir())  # nothing trained
+
+
+def test_ninformer_missing_dataset_is_an_error(tmp_path, capsys):
+    (tmp_path / 'empty').mkdir()
+    code, _, err = run_cli(capsys, 'reproduce', 'ninformer-table1', '--datasets', 'mnist', '--data-root',
+                           tmp_path / 'empty', '--output', tmp_path / 'out')
+    assert code == 2 and 'mnist/ not found under' in err and not (tmp_path / 'out').exists()
+
+
+# --- the CIFAR-10 blocks benchmark ---------------------------------------------------------------------
+
+def test_benchmark_models_are_one_backbone_with_one_swap():
+    with torch.device('meta'):  # structure and counts only
+        models = {c: timm.create_model(bench_model_name(c)) for c in BENCH_CONFIGS}
+    base = models['vanilla']
+    assert (base.embed_dim, len(base.blocks), base.patch_embed.grid_size, base.num_prefix_tokens) == (192, 6, (8, 8), 0)
+    # 6 blocks of 12 D^2 + 13 D (D = 192), patch embedding 48 D + D, position embedding 64 D, norm, head
+    assert count_params(base) == 6 * (12 * 192 ** 2 + 13 * 192) + 49 * 192 + 64 * 192 + 2 * 192 + 1930 == 2_693_194
+    assert {c: type(models[c].blocks[0].mlp).__name__ for c in ('iffn', 'afbo', 'swiglu', 'repa')} == \
+        {'iffn': 'IFFN', 'afbo': 'AFBO', 'swiglu': 'SwiGLU', 'repa': 'RePaFFN'}
+    assert [type(models[c].blocks[0]).__name__ for c in ('mabvit_glu', 'mabvit_parallel', 'mabvit_glu_parallel')] == \
+        ['Block', 'ParallelBlock', 'ParallelBlock']
+    assert type(models['mabvit_glu'].blocks[0].attn).__name__ == 'ValueActivationAttention'
+    nin = models['ninformer'].blocks[0]
+    assert type(nin.attn).__name__ == 'MixerGatingUnit' and nin.norm2 is not nin.norm1
+    # the same embedding, position embedding, norms and head in all nine
+    assert all(count_params(m.patch_embed) + m.pos_embed.numel() + count_params(m.head) ==
+               count_params(base.patch_embed) + base.pos_embed.numel() + count_params(base.head) for m in models.values())
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--configs', 'vanila'], '--configs: unknown vanila; the benchmark has vanilla, iffn'),
+    (['--seeds', 'a'], '--seeds a: expected comma-separated integers'),
+    (['--seeds', '1,1'], 'expected distinct integers'),
+    (['--models', 'ViT'], '--models: an option of `reproduce ninformer-table1` only'),
+    (['--data-root', '/nonexistent'], '--data-root /nonexistent: no such folder'),
+])
+def test_benchmark_bad_options_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    code, out, err = run_cli(capsys, 'reproduce', 'cifar10-blocks', '--output', tmp_path, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and out == ''
+
+
+def test_benchmark_every_configuration_through_the_harness(cifar_root, tmp_path, capsys):
+    """All nine configurations, one step each on a tiny stand-in for CIFAR-10: table, RePa's fold check,
+    summary.json, plots, and each run's config is the fixed recipe with its own model and seed."""
+    out_dir = tmp_path / 'bench'
+    code, out, err = run_cli(capsys, 'reproduce', 'cifar10-blocks', '--seeds', '0', '--max-steps', 1, '--threads', 1,
+                             '--data-root', cifar_root, '--output', out_dir, '--repeats', 1, '--latency-batch', 2,
+                             '--set', 'progress=none', 'tensorboard=false', 'batch_size=16', TINY)
+    assert code == 0, err
+    lines = out.splitlines()
+    rows = {l.split()[0]: l.split() for l in lines if l.split()[:1] and l.split()[0] in BENCH_CONFIGS}
+    assert list(rows) == list(BENCH_CONFIGS) and rows['vanilla'][-1] == '1.00x'
+    summary = {s['config']: s for s in json.loads((out_dir / 'summary.json').read_text())}
+    for config in BENCH_CONFIGS:
+        run_dir = out_dir / config / 'seed0'
+        cfg = yaml.safe_load((run_dir / 'config.yaml').read_text())
+        assert (cfg['model'], cfg['seed'], cfg['recipe'], cfg['opt'], cfg['mixup'], cfg['crop_padding']) == \
+            (bench_model_name(config), 0, 'cifar10_blocks', 'adamw', 0.2, 4)
+        assert (run_dir / 'curves.png').is_file()
+        model = timm.create_model(bench_model_name(config), embed_dim=48, depth=1)
+        assert summary[config]['params'] == count_params(model)
+    fold = json.loads((out_dir / 'repa' / 'seed0' / 'fold.json').read_text())
+    assert fold['folded_top1'] == fold['trained_top1'] and fold['predictions_differ'] == 0
+    assert fold['max_logit_diff'] < 1e-4 and fold['folded_params'] < fold['trained_params']
+    assert summary['repa']['folded_top1'] == [fold['folded_top1']]
+    assert any(l.startswith('note: repa: fp32 top-1 before folding') for l in lines)
+    assert (out_dir / 'tradeoff.png').is_file() and (out_dir / 'table.txt').read_text().strip() in out
+
+
+def test_benchmark_run_killed_mid_training_resumes_from_last_pth(cifar_root, tmp_path, capsys, monkeypatch):
+    """A run killed (SIGKILL, as at the end of a GPU slice) resumes from its last.pth when the command is
+    re-run; killed after its last checkpoint but before results.json, it only evaluates."""
+    out_dir = tmp_path / 'bench'
+    argv = ['reproduce', 'cifar10-blocks', '--configs', 'vanilla', '--seeds', '0', '--max-steps', 6, '--threads', 1,
+            '--data-root', cifar_root, '--output', out_dir, '--train-only', '--set', 'progress=none',
+            'tensorboard=false', 'batch_size=8', 'checkpoint_interval=1', 'log_interval=1', TINY]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / 'src'))
+    proc = subprocess.Popen([sys.executable, '-m', 'vitblocks', *map(str, argv)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = out_dir / 'vanilla' / 'seed0' / 'last.pth'
+    deadline = time.time() + 120
+    while not (last.exists() and load_checkpoint(last)['global_step'] >= 2) and proc.poll() is None:
+        assert time.time() < deadline, 'no checkpoint within 2 minutes'
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = load_checkpoint(last)['global_step']
+    assert 2 <= killed_at < 6 and not (last.parent / 'results.json').exists()
+
+    restored = []
+    original = engine.Trainer._restore
+    monkeypatch.setattr(engine.Trainer, '_restore', lambda self, ckpt, path: (restored.append(ckpt['global_step']),
+                                                                              original(self, ckpt, path))[1])
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert restored == [killed_at] and 'vanilla seed 0: top-1' in out
+    results = json.loads((last.parent / 'results.json').read_text())
+    assert results['global_step'] == 6
+    train_rows = lambda: [l for l in (last.parent / 'metrics.csv').read_text().splitlines() if ',train,' in l]
+    rows = train_rows()
+    # killed after the last checkpoint, before results.json: the re-run evaluates and trains nothing
+    (last.parent / 'results.json').unlink()
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert restored == [killed_at, 6] and train_rows() == rows
+    again = json.loads((last.parent / 'results.json').read_text())['final']
+    assert (again['top1'], again['loss']) == (results['final']['top1'], results['final']['loss'])
