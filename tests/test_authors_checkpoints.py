@@ -50,23 +50,24 @@ def _linear(gen, prefix, c_in, c_out, bias=True):
     return sd
 
 
-def _attention(gen, prefix):
-    return {**_linear(gen, prefix + 'qkv.', DIM, 3 * DIM), **_linear(gen, prefix + 'proj.', DIM, DIM)}
+def _attention(gen, prefix, dim=DIM):
+    return {**_linear(gen, prefix + 'qkv.', dim, 3 * dim), **_linear(gen, prefix + 'proj.', dim, dim)}
 
 
 # --- RePaViT (repavit.py: timm VisionTransformer with pre_norm=True and their Block/Attention/Mlp) ---
 
-def repavit_state_dict(seed=0):
+def repavit_state_dict(seed=0, dim=DIM, depth=DEPTH, patch=PATCH, img=IMG, classes=CLASSES):
+    """Tiny dims by default; ``dim=192, depth=12, patch=16, img=224, classes=1000`` is RePaViT-Tiny."""
     g = torch.Generator().manual_seed(seed)
-    hidden = 4 * DIM
-    sd = {'cls_token': _rand(g, 1, 1, DIM), 'pos_embed': _rand(g, 1, TOKENS + 1, DIM),
-          'patch_embed.proj.weight': _rand(g, DIM, 3, PATCH, PATCH, scale=0.05),  # pre_norm: no bias
-          **_layernorm(g, 'norm_pre.', DIM), **_layernorm(g, 'norm.', DIM), **_linear(g, 'head.', DIM, CLASSES)}
-    for i in range(DEPTH):
+    hidden, tokens = 4 * dim, (img // patch) ** 2
+    sd = {'cls_token': _rand(g, 1, 1, dim), 'pos_embed': _rand(g, 1, tokens + 1, dim),
+          'patch_embed.proj.weight': _rand(g, dim, 3, patch, patch, scale=0.05),  # pre_norm: no bias
+          **_layernorm(g, 'norm_pre.', dim), **_layernorm(g, 'norm.', dim), **_linear(g, 'head.', dim, classes)}
+    for i in range(depth):
         p = f'blocks.{i}.'
-        sd.update({**_layernorm(g, p + 'attn.norm.', DIM), **_attention(g, p + 'attn.'),
-                   **_batchnorm(g, p + 'mlp.norm1.', DIM), **_linear(g, p + 'mlp.fc1.', DIM, hidden),
-                   **_batchnorm(g, p + 'mlp.norm2.', hidden), **_linear(g, p + 'mlp.fc2.', hidden, DIM)})
+        sd.update({**_layernorm(g, p + 'attn.norm.', dim), **_attention(g, p + 'attn.', dim),
+                   **_batchnorm(g, p + 'mlp.norm1.', dim), **_linear(g, p + 'mlp.fc1.', dim, hidden),
+                   **_batchnorm(g, p + 'mlp.norm2.', hidden), **_linear(g, p + 'mlp.fc2.', hidden, dim)})
     return sd
 
 

@@ -16,6 +16,7 @@ import vitblocks.cli as cli
 from vitblocks.profile import fixed_threads
 
 from _train_helpers import tiny_dataset
+from test_authors_checkpoints import _save_like_the_authors, repavit_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = (ROOT / 'README.md', ROOT / 'docs' / 'cli.md')
@@ -83,6 +84,9 @@ def scratch(tmp_path_factory):
     tiny_dataset(root / 'mnist', **mnist)
     tiny_dataset(work / 'data' / 'mnist-small', **mnist)
     tiny_dataset(root / 'cifar10', size=32, num_classes=10)
+    # the `vitblocks convert` examples read a file in the layout and size of the authors' RePaViT-Tiny
+    _save_like_the_authors(work, repavit_state_dict(dim=192, depth=12, patch=16, img=224, classes=1000),
+                           'RePaViT_Tiny.pth')
     return work, root, {'cwd': work}
 
 
