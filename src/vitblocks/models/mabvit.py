@@ -48,7 +48,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from ..layers.value_attention import ParallelBlock, ValueActivationAttention
-from .registry import VariantSpec, default_cfgs, register_variant
+from .registry import VariantSpec, register_variant
 
 __all__ = ['swap_value_attention', 'make_parallel', 'add_pre_logits', 'PreLogitsVisionTransformer',
            'MABVIT_ARCHS', 'MABVIT_VARIANTS']
@@ -220,6 +220,6 @@ for _paper_arch, _arch, _base, _kwargs in MABVIT_ARCHS:
             cfg=dict(value_act=_act, parallel=_parallel, pre_logits=True),
             base_kwargs=dict(_BIG_VISION, mlp_ratio=_mlp_ratio, **_kwargs),
             description=f'MABViT {_paper_arch} {_paper_variant}; big_vision-style ViT (avg pool, pre-logits)'
-                        + _ARCH_NOTES.get(_arch, '')))
-        # a data config for the built model, not the base (M/16's base is a 256 px model)
-        default_cfgs[_name].update(input_size=(3, 224, 224), crop_pct=0.9)
+                        + _ARCH_NOTES.get(_arch, ''),
+            # a data config for the built model, not the base (M/16's base is a 256 px model)
+            pretrained_cfg=dict(input_size=(3, 224, 224), pool_size=(14, 14), crop_pct=0.9)))

@@ -44,7 +44,7 @@ from timm.models.vision_transformer import VisionTransformer, init_weights_vit_t
 from torch import nn
 
 from ..layers.gating import MixerGatingUnit
-from .registry import VariantSpec, default_cfgs, register_variant
+from .registry import VariantSpec, register_variant
 from .surgery import swap_ffn
 
 __all__ = ['swap_gating_unit', 'mixer_blocks', 'NINFORMER_MODELS', 'NINFORMER_PAPER_SETTINGS']
@@ -148,11 +148,11 @@ def _register(stem, base, args, build, cfg, what, params):
         register_variant(VariantSpec(
             name=name, method='ninformer', base=base, build=build, cfg=dict(cfg), base_kwargs=dict(args, **inputs),
             description=f'{what}; patch 4, width 256, 4 blocks, avg pool (timm {base} entry with these args); '
-                        f'{size}x{size}x{c} input, 10 classes: {count:,} params'))
-        # the data config of the built model (the timm base is a 224 px ImageNet model); the
-        # authors normalize with mean 0.5, std 0.5
-        default_cfgs[name].update(input_size=(c, size, size), fixed_input_size=True, crop_pct=1.0,
-                                  mean=(0.5,) * c, std=(0.5,) * c, num_classes=10)
+                        f'{size}x{size}x{c} input, 10 classes: {count:,} params',
+            # the data config of the built model (the timm base is a 224 px ImageNet model); the
+            # authors normalize with mean 0.5, std 0.5
+            pretrained_cfg=dict(input_size=(c, size, size), pool_size=(size // 4, size // 4), fixed_input_size=True,
+                                crop_pct=1.0, mean=(0.5,) * c, std=(0.5,) * c, num_classes=10)))
 
 
 for _spec in NINFORMER_MODELS:
