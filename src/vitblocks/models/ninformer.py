@@ -37,6 +37,7 @@ Interpretation notes:
 """
 from functools import partial
 
+import torch
 from timm.layers import LayerNorm
 from timm.models import named_apply
 from timm.models.mlp_mixer import MixerBlock
@@ -47,7 +48,7 @@ from ..layers.gating import MixerGatingUnit
 from .registry import VariantSpec, register_variant
 from .surgery import swap_ffn
 
-__all__ = ['swap_gating_unit', 'mixer_blocks', 'NINFORMER_MODELS', 'NINFORMER_PAPER_SETTINGS']
+__all__ = ['swap_gating_unit', 'mixer_blocks', 'MaskFreeVisionTransformer', 'NINFORMER_MODELS', 'NINFORMER_PAPER_SETTINGS']
 
 # Sec. 4: patch 4, width 256, 4 layers, 4 heads, MLP 512; inner Mixer token / channel MLP 512
 NINFORMER_PAPER_SETTINGS = dict(patch_size=4, embed_dim=256, depth=4, num_heads=4, mlp_dim=512,
@@ -113,8 +114,21 @@ def mixer_blocks(model: nn.Module, token_mlp_dim: int = 512, channel_mlp_dim: in
     return len(blocks)
 
 
+class MaskFreeVisionTransformer(VisionTransformer):
+    """A timm ``VisionTransformer`` whose blocks have no attention (Mixer blocks), so its forward takes
+    no ``attn_mask`` / ``is_causal``: timm's forward passes them to every block once they are given,
+    and a symbolic trace (torch.fx) always gives them (as graph inputs)."""
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward_features(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
 def _build_mixer(model, cfg):
     mixer_blocks(model, **cfg)
+    model.__class__ = MaskFreeVisionTransformer
 
 
 _P = NINFORMER_PAPER_SETTINGS
