@@ -122,9 +122,9 @@ class PreLogitsVisionTransformer(VisionTransformer):
 
     ``forward_head``: pool -> fc_norm -> ``pre_logits`` (Dense(D) + tanh) -> head_drop -> head.
     ``forward_head(x, pre_logits=True)`` returns the tanh features, as big_vision's
-    ``out['pre_logits']``. Models get this class from :func:`add_pre_logits`.
+    ``out['pre_logits']``. Models get this class from :func:`add_pre_logits`. (``pre_logits`` is set
+    there; no class-level annotation, which TorchScript would read as an unknown type.)
     """
-    pre_logits: nn.Module
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.pool(x)

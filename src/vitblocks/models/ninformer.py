@@ -39,7 +39,7 @@ from functools import partial
 
 import torch
 from timm.layers import LayerNorm
-from timm.models import named_apply
+from timm.models import checkpoint_seq, named_apply
 from timm.models.mlp_mixer import MixerBlock
 from timm.models.vision_transformer import VisionTransformer, init_weights_vit_timm
 from torch import nn
@@ -119,8 +119,13 @@ class MaskFreeVisionTransformer(VisionTransformer):
     no ``attn_mask`` / ``is_causal``: timm's forward passes them to every block once they are given,
     and a symbolic trace (torch.fx) always gives them (as graph inputs)."""
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward_features(x)
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:  # timm's, without the mask branch
+        x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        return self.norm(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
