@@ -17,9 +17,10 @@ from torchvision.models.feature_extraction import create_feature_extractor, get_
 import vitblocks
 
 ALL = vitblocks.list_models()
-# one model per method x family, small ones (the default run)
-SUBSET = ['iffn_deit_tiny_patch16_224', 'afbo_pvt_v2_b1', 'repa_poolformer_s12', 'ninformer_vit_patch4_32',
-          'ninformer_baseline_mixer_patch4_28', 'mabvit_glu_parallel_vit_tiny_patch16_224']
+# the default run: small models that still cover a swapped FFN with grid tracking (LocalViT), the
+# gating unit and Mixer blocks in a ViT. test_dense.py runs features_only / forward_intermediates
+# for the 224 px families (ViT/DeiT, Swin, PoolFormer, PVTv2) and a detector by default.
+SUBSET = ['ninformer_vit_patch4_32', 'ninformer_baseline_localvit_patch4_32', 'ninformer_baseline_mixer_patch4_28']
 # TorchScript: models whose swapped layers do not script yet (their layers keep a Python TokenLayout,
 # infer list sizes, or store modules as attributes TorchScript cannot type): IFFN, AFBO, LocalityFFN,
 # the gating unit and value-activation attention / parallel blocks.

@@ -222,4 +222,4 @@ for _paper_arch, _arch, _base, _kwargs in MABVIT_ARCHS:
             description=f'MABViT {_paper_arch} {_paper_variant}; big_vision-style ViT (avg pool, pre-logits)'
                         + _ARCH_NOTES.get(_arch, ''),
             # a data config for the built model, not the base (M/16's base is a 256 px model)
-            pretrained_cfg=dict(input_size=(3, 224, 224), pool_size=(14, 14), crop_pct=0.9)))
+            pretrained_cfg=dict(input_size=(3, 224, 224), crop_pct=0.9)))

@@ -170,7 +170,7 @@ def _register(stem, base, args, build, cfg, what, params):
                         f'{size}x{size}x{c} input, 10 classes: {count:,} params',
             # the data config of the built model (the timm base is a 224 px ImageNet model); the
             # authors normalize with mean 0.5, std 0.5
-            pretrained_cfg=dict(input_size=(c, size, size), pool_size=(size // 4, size // 4), fixed_input_size=True,
+            pretrained_cfg=dict(input_size=(c, size, size), fixed_input_size=True,
                                 crop_pct=1.0, mean=(0.5,) * c, std=(0.5,) * c, num_classes=10)))
 
 
