@@ -22,10 +22,10 @@ ALL = vitblocks.list_models()
 # for the 224 px families (ViT/DeiT, Swin, PoolFormer, PVTv2) and a detector by default.
 SUBSET = ['ninformer_vit_patch4_32', 'ninformer_baseline_localvit_patch4_32', 'ninformer_baseline_mixer_patch4_28']
 # TorchScript: models whose swapped layers do not script yet (their layers keep a Python TokenLayout,
-# infer list sizes, or store modules as attributes TorchScript cannot type): IFFN, AFBO, LocalityFFN,
-# the gating unit and value-activation attention / parallel blocks.
+# infer list sizes, or call functions stored as attributes): IFFN, AFBO, LocalityFFN, the gating unit
+# and value-activation attention.
 NOT_SCRIPTABLE = ('iffn_', 'afbo_', 'ninformer_vit_', 'ninformer_baseline_localvit_', 'mabvit_glu', 'mabvit_prglu',
-                  'mabvit_gelu', 'mabvit_parallel')
+                  'mabvit_gelu')
 CFG_KEYS = ('input_size', 'fixed_input_size', 'interpolation', 'crop_pct', 'mean', 'std', 'num_classes', 'pool_size',
             'first_conv', 'classifier')
 

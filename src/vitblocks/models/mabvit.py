@@ -113,7 +113,9 @@ def make_parallel(model: nn.Module) -> int:
         if type(blk) not in (Block, ParallelBlock):
             raise ValueError(f'make_parallel: blocks.{i} is a {type(blk).__name__}; only timm Block '
                              f'(pre-norm attention + MLP) has a parallel form here')
-        blk.__class__ = ParallelBlock  # a module-level subclass: models still pickle and copy
+        if type(blk) is Block:
+            blk.__class__ = ParallelBlock  # a module-level subclass: models still pickle and copy
+            blk.shared_norm = False  # an instance attribute, as ParallelBlock.__init__ sets (TorchScript reads those)
     return len(model.blocks)
 
 
