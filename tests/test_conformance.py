@@ -127,3 +127,18 @@ def test_not_scriptable_list_is_current():
     """NOT_SCRIPTABLE names real prefixes (no stale entries that would hide a model from the check)."""
     for prefix in NOT_SCRIPTABLE:
         assert any(n.startswith(prefix) for n in ALL), prefix
+
+
+def test_variant_config_overrides_are_checked():
+    from vitblocks.models import VariantSpec, register_variant
+    spec = dict(name='test_only_swin_tiny', method='test', base='swin_tiny_patch4_window7_224', build=lambda m, c: 0)
+    with pytest.raises(ValueError, match='give pool_size too'):  # Swin declares its 7x7 feature grid
+        register_variant(VariantSpec(**spec, pretrained_cfg=dict(input_size=(3, 256, 256))))
+    with pytest.raises(ValueError, match="not data/model fields"):
+        register_variant(VariantSpec(**spec, pretrained_cfg=dict(hf_hub_id='x/y')))
+    assert 'test_only_swin_tiny' not in vitblocks.list_models()
+
+
+def test_feature_kwargs_need_features_only():
+    with pytest.raises(ValueError, match='features_only=True'):
+        timm.create_model('ninformer_vit_patch4_32', out_indices=(1, 2))
