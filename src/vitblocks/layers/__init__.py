@@ -12,3 +12,14 @@ from .channel_maps import (DenseChannelMap, GroupedChannelMap, GroupedCrossChann
                            create_channel_map)
 from .afbo import AFBO, SpatialAttention, afbo_full, afbo_grouped, scfbo_gc, scfbo_oc
 from .ffn_counterparts import ConvGLU, ConvNeXtFFN, LocalViTFFN, glu, group_ffn, swiglu
+
+# torch.fx: these layers branch in Python on their input's layout (tokens, channels-first or
+# channels-last maps; the grid of their TokenLayout) or on autograd state, which symbolic tracing
+# cannot follow. Registered as timm "notrace" modules, timm's FX tools (``FeatureGraphNet``,
+# ``timm.models.get_notrace_modules()`` for torchvision's ``create_feature_extractor``) keep them as
+# leaf modules that run eagerly inside the traced graph, as timm does with its own such layers.
+from timm.layers import register_notrace_module as _register_notrace_module
+
+for _cls in (IFFN, SumOfNonlinearities, AFBO, ConvGLU, ConvNeXtFFN, LocalViTFFN, LocalityFFN, MixerGatingUnit,
+             RePaFFN, RePaDeployedFFN, ValueActivationAttention):
+    _register_notrace_module(_cls)

@@ -29,7 +29,7 @@ from functools import partial
 
 from .mabvit import make_parallel, swap_value_attention
 from .ninformer import swap_gating_unit
-from .registry import VariantSpec, default_cfgs, register_variant
+from .registry import VariantSpec, register_variant
 from .residual_surgery import swap_residual_ffn
 from .surgery import swap_ffn
 
@@ -84,5 +84,5 @@ for _config, _paper, _build, _cfg, _what in BLOCK_CONFIGS:
     register_variant(VariantSpec(
         name=_name, method='bench', base=BENCH_BASE, build=_build, cfg=dict(_cfg), base_kwargs=dict(BENCH_BACKBONE),
         description=f'CIFAR-10 blocks benchmark: {_what}; DeiT-Ti-like ViT (timm {BENCH_BASE} entry with width 192, '
-                    f'6 blocks, patch 4, 32x32 input, avg pool)'))
-    default_cfgs[_name].update(input_size=(3, 32, 32), fixed_input_size=True, crop_pct=1.0, num_classes=10)
+                    f'6 blocks, patch 4, 32x32 input, avg pool)',
+        pretrained_cfg=dict(input_size=(3, 32, 32), fixed_input_size=True, crop_pct=1.0, num_classes=10)))

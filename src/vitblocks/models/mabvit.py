@@ -48,7 +48,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from ..layers.value_attention import ParallelBlock, ValueActivationAttention
-from .registry import VariantSpec, default_cfgs, register_variant
+from .registry import VariantSpec, register_variant
 
 __all__ = ['swap_value_attention', 'make_parallel', 'add_pre_logits', 'PreLogitsVisionTransformer',
            'MABVIT_ARCHS', 'MABVIT_VARIANTS']
@@ -113,7 +113,9 @@ def make_parallel(model: nn.Module) -> int:
         if type(blk) not in (Block, ParallelBlock):
             raise ValueError(f'make_parallel: blocks.{i} is a {type(blk).__name__}; only timm Block '
                              f'(pre-norm attention + MLP) has a parallel form here')
-        blk.__class__ = ParallelBlock  # a module-level subclass: models still pickle and copy
+        if type(blk) is Block:
+            blk.__class__ = ParallelBlock  # a module-level subclass: models still pickle and copy
+            blk.shared_norm = False  # an instance attribute, as ParallelBlock.__init__ sets (TorchScript reads those)
     return len(model.blocks)
 
 
@@ -122,9 +124,9 @@ class PreLogitsVisionTransformer(VisionTransformer):
 
     ``forward_head``: pool -> fc_norm -> ``pre_logits`` (Dense(D) + tanh) -> head_drop -> head.
     ``forward_head(x, pre_logits=True)`` returns the tanh features, as big_vision's
-    ``out['pre_logits']``. Models get this class from :func:`add_pre_logits`.
+    ``out['pre_logits']``. Models get this class from :func:`add_pre_logits`. (``pre_logits`` is set
+    there; no class-level annotation, which TorchScript would read as an unknown type.)
     """
-    pre_logits: nn.Module
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.pool(x)
@@ -220,6 +222,6 @@ for _paper_arch, _arch, _base, _kwargs in MABVIT_ARCHS:
             cfg=dict(value_act=_act, parallel=_parallel, pre_logits=True),
             base_kwargs=dict(_BIG_VISION, mlp_ratio=_mlp_ratio, **_kwargs),
             description=f'MABViT {_paper_arch} {_paper_variant}; big_vision-style ViT (avg pool, pre-logits)'
-                        + _ARCH_NOTES.get(_arch, '')))
-        # a data config for the built model, not the base (M/16's base is a 256 px model)
-        default_cfgs[_name].update(input_size=(3, 224, 224), crop_pct=0.9)
+                        + _ARCH_NOTES.get(_arch, ''),
+            # a data config for the built model, not the base (M/16's base is a 256 px model)
+            pretrained_cfg=dict(input_size=(3, 224, 224), crop_pct=0.9)))

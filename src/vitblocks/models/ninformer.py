@@ -40,17 +40,18 @@ Interpretation notes:
 """
 from functools import partial
 
+import torch
 from timm.layers import LayerNorm
-from timm.models import named_apply
+from timm.models import checkpoint_seq, named_apply
 from timm.models.mlp_mixer import MixerBlock
 from timm.models.vision_transformer import VisionTransformer, init_weights_vit_timm
 from torch import nn
 
 from ..layers.gating import MixerGatingUnit, check_mlp_widths
-from .registry import VariantSpec, default_cfgs, register_variant
+from .registry import VariantSpec, register_variant
 from .surgery import swap_ffn
 
-__all__ = ['swap_gating_unit', 'mixer_blocks', 'NINFORMER_MODELS', 'NINFORMER_PAPER_SETTINGS']
+__all__ = ['swap_gating_unit', 'mixer_blocks', 'MaskFreeVisionTransformer', 'NINFORMER_MODELS', 'NINFORMER_PAPER_SETTINGS']
 
 # Sec. 4: patch 4, width 256, 4 layers, 4 heads, MLP 512; inner Mixer token / channel MLP 512
 NINFORMER_PAPER_SETTINGS = dict(patch_size=4, embed_dim=256, depth=4, num_heads=4, mlp_dim=512,
@@ -137,8 +138,26 @@ def mixer_blocks(model: nn.Module, token_mlp_dim: int = 512, channel_mlp_dim: in
     return len(blocks)
 
 
+class MaskFreeVisionTransformer(VisionTransformer):
+    """A timm ``VisionTransformer`` whose blocks have no attention (Mixer blocks), so its forward takes
+    no ``attn_mask`` / ``is_causal``: timm's forward passes them to every block once they are given,
+    and a symbolic trace (torch.fx) always gives them (as graph inputs)."""
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:  # timm's, without the mask branch
+        x = self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        return self.norm(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
 def _build_mixer(model, cfg):
     mixer_blocks(model, **cfg)
+    model.__class__ = MaskFreeVisionTransformer
 
 
 _P = NINFORMER_PAPER_SETTINGS
@@ -172,11 +191,11 @@ def _register(stem, base, args, build, cfg, what, params):
         register_variant(VariantSpec(
             name=name, method='ninformer', base=base, build=build, cfg=dict(cfg), base_kwargs=dict(args, **inputs),
             description=f'{what}; patch 4, width 256, 4 blocks, avg pool (timm {base} entry with these args); '
-                        f'{size}x{size}x{c} input, 10 classes: {count:,} params'))
-        # the data config of the built model (the timm base is a 224 px ImageNet model); the
-        # authors normalize with mean 0.5, std 0.5
-        default_cfgs[name].update(input_size=(c, size, size), fixed_input_size=True, crop_pct=1.0,
-                                  mean=(0.5,) * c, std=(0.5,) * c, num_classes=10)
+                        f'{size}x{size}x{c} input, 10 classes: {count:,} params',
+            # the data config of the built model (the timm base is a 224 px ImageNet model); the
+            # authors normalize with mean 0.5, std 0.5
+            pretrained_cfg=dict(input_size=(c, size, size), fixed_input_size=True,
+                                crop_pct=1.0, mean=(0.5,) * c, std=(0.5,) * c, num_classes=10)))
 
 
 for _spec in NINFORMER_MODELS:

@@ -13,11 +13,15 @@ import timm
 from timm.models import get_pretrained_cfg, register_model
 from torch import nn
 
+from .features import FEATURE_KWARGS, features_only
+
 __all__ = ['register_variant', 'list_models', 'get_variant', 'VariantSpec', 'resolve_model_name']
 
-# pretrained-config fields copied from the timm base model (preprocessing, not weights)
+# pretrained-config fields copied from the timm base model: preprocessing and the model attributes
+# timm's tools read (pool_size: forward_features' grid; first_conv / classifier: parameter names).
+# Weight sources, tags and the base's test-time sizes (how its weights were evaluated) are not copied.
 _CFG_KEYS = ('input_size', 'min_input_size', 'fixed_input_size', 'interpolation', 'crop_pct', 'crop_mode',
-             'mean', 'std', 'num_classes', 'first_conv', 'classifier')
+             'mean', 'std', 'num_classes', 'pool_size', 'first_conv', 'classifier')
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class VariantSpec:
     cfg: Dict[str, Any] = field(default_factory=dict)  # block config, overridable at create time
     base_kwargs: Dict[str, Any] = field(default_factory=dict)  # timm kwargs of the base model
     description: str = ''
+    # pretrained-config fields that differ from the base's (a model built at another input size)
+    pretrained_cfg: Dict[str, Any] = field(default_factory=dict)
 
 
 _VARIANTS: Dict[str, VariantSpec] = {}
@@ -42,9 +48,15 @@ def _entrypoint(spec: VariantSpec):
                                f'or pass checkpoint_path= to timm.create_model')
         for key in ('pretrained_cfg', 'pretrained_cfg_overlay', 'cache_dir'):
             kwargs.pop(key, None)
+        # features_only wraps the *swapped* model, so the timm base is built whole (see features.py)
+        feature_kwargs = {k: kwargs.pop(k) for k in FEATURE_KWARGS if k in kwargs}
         model = timm.create_model(spec.base, pretrained=False, **{**spec.base_kwargs, **kwargs})
         spec.build(model, {**spec.cfg, **(block_cfg or {})})
         model.pretrained_cfg = model.default_cfg = _default_cfg(spec)
+        if feature_kwargs.pop('features_only', False):
+            return features_only(model, spec.name, **feature_kwargs)
+        if feature_kwargs:
+            raise ValueError(f'{", ".join(sorted(feature_kwargs))} apply with features_only=True only')
         return model
     create.__name__ = spec.name
     create.__qualname__ = spec.name
@@ -57,7 +69,7 @@ default_cfgs: Dict[str, Dict[str, Any]] = {}  # read by timm's register_model
 
 
 def _default_cfg(spec: VariantSpec) -> Dict[str, Any]:
-    return dict(default_cfgs[spec.name], architecture=spec.name)
+    return get_pretrained_cfg(spec.name).to_dict()  # the registered config, as timm's builder sets it
 
 
 def register_variant(spec: VariantSpec) -> VariantSpec:
@@ -67,7 +79,13 @@ def register_variant(spec: VariantSpec) -> VariantSpec:
     if spec.name in timm.list_models():
         raise ValueError(f'{spec.name!r} is a timm model name; vitblocks names are <method>_<timm name>')
     base_cfg = asdict(get_pretrained_cfg(spec.base))
-    default_cfgs[spec.name] = {k: base_cfg[k] for k in _CFG_KEYS if k in base_cfg}
+    unknown = set(spec.pretrained_cfg) - set(_CFG_KEYS)
+    if unknown:
+        raise ValueError(f'{spec.name}: pretrained_cfg keys {sorted(unknown)} are not data/model fields '
+                         f'({", ".join(_CFG_KEYS)})')
+    if 'input_size' in spec.pretrained_cfg and base_cfg.get('pool_size') and 'pool_size' not in spec.pretrained_cfg:
+        raise ValueError(f'{spec.name}: a new input_size changes the feature grid; give pool_size too')
+    default_cfgs[spec.name] = {**{k: base_cfg[k] for k in _CFG_KEYS if k in base_cfg}, **spec.pretrained_cfg}
     _VARIANTS[spec.name] = spec
     register_model(_entrypoint(spec))
     return spec

@@ -33,7 +33,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from ..layers.repa import repa_ffn
 from .convert_authors import accept_authors_checkpoints
-from .registry import VariantSpec, default_cfgs, register_variant
+from .registry import VariantSpec, register_variant
 from .residual_surgery import list_residual_ffns, register_residual_ffn, swap_residual_ffn
 
 __all__ = ['swap_residual_ffn', 'list_residual_ffns', 'REPA_TABLE1_BASES', 'REPA_LVVIT_BASES']
@@ -99,6 +99,5 @@ for _name, _base, _kwargs in REPA_TABLE1_BASES:
         register_variant(VariantSpec(
             name=f'repa_prenorm_{_name}', method='repa', base=_base, build=_swap_repa_authors_vit,
             cfg=dict(idle_ratio=0.75), base_kwargs=dict(_kwargs, pre_norm=True),
-            description=f"the authors' RePaViT (pre-norm, bias-free patch embedding; idle ratio 0.75){_note}"))
-        default_cfgs[f'repa_prenorm_{_name}'].update(mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
-                                                     crop_pct=0.875)
+            description=f"the authors' RePaViT (pre-norm, bias-free patch embedding; idle ratio 0.75){_note}",
+            pretrained_cfg=dict(mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD, crop_pct=0.875)))

@@ -23,6 +23,7 @@ extra argument before the FFN sees it; timm's own ``MlpWithDepthwiseConv`` still
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
+from torch.fx._symbolic_trace import is_fx_tracing
 from timm.models.gcvit import GlobalContextVit
 from timm.models.metaformer import MetaFormer
 from timm.models.mlp_mixer import MlpMixer
@@ -43,8 +44,18 @@ SUPPORTED_FAMILIES = ('VisionTransformer', 'SwinTransformer', 'MetaFormer', 'Mlp
 Slot = Tuple[nn.Module, str, str, TokenLayout]
 
 
+def _tracing_symbolically() -> bool:
+    """torch.fx tracing: shapes are proxies, and a hook's update of the layout is not recorded in the
+    graph. The hooks then leave the layout as the last eager forward (or the build) set it, so a traced
+    model runs at that input size; the spatial layers are FX leaves (``vitblocks.layers``) whose
+    ``check_grid`` names any mismatch."""
+    return is_fx_tracing()
+
+
 def _track_patch_grid(patch_embed: nn.Module, args, output: torch.Tensor) -> None:
     """Forward hook on a patch embedding: record the grid of this forward in the shared layout."""
+    if _tracing_symbolically():
+        return
     layout = patch_embed._vitblocks_layout
     if output.ndim == 4:  # dynamic_img_size: (B, H, W, C)
         layout.grid_size = (output.shape[1], output.shape[2])
@@ -54,6 +65,8 @@ def _track_patch_grid(patch_embed: nn.Module, args, output: torch.Tensor) -> Non
 
 def _track_block_grid(block: nn.Module, args) -> None:
     """Forward pre-hook on a Swin block, whose input is ``(B, H, W, C)``."""
+    if _tracing_symbolically():
+        return
     x = args[0]
     block._vitblocks_layout.grid_size = (x.shape[1], x.shape[2])
 
@@ -88,7 +101,8 @@ def _track_feat_size_arg(block: nn.Module, args) -> None:
     The block calls ``self.mlp(x, feat_size)``; an FFN put there by ``swap_ffn`` takes ``x`` only,
     so it gets (once) a pre-hook that drops ``feat_size``. timm's ``MlpWithDepthwiseConv`` keeps it.
     """
-    block._vitblocks_layout.grid_size = (int(args[1][0]), int(args[1][1]))
+    if not _tracing_symbolically():
+        block._vitblocks_layout.grid_size = (int(args[1][0]), int(args[1][1]))
     mlp = block.mlp
     if not isinstance(mlp, MlpWithDepthwiseConv) and not getattr(mlp, '_vitblocks_drops_feat_size', False):
         mlp.register_forward_pre_hook(_drop_feat_size)

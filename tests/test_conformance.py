@@ -1,0 +1,144 @@
+"""timm conformance of the registered models: the checks timm's own model tests make (forward,
+backward, pretrained config, features_only, forward_intermediates, torch.fx, TorchScript), written
+for vitblocks. A representative subset runs by default, every registered model under ``slow``.
+
+Not covered, by design (see docs/dense.md): TorchScript for models whose swapped layers are not
+scriptable yet (``NOT_SCRIPTABLE``); a model family that timm itself leaves out of a check
+(features_only for ViT/MLP-Mixer uses timm's getter wrapper, tested in test_dense.py).
+"""
+import math
+
+import pytest
+import timm
+import torch
+from timm.models import get_notrace_functions, get_notrace_modules, get_pretrained_cfg_value
+from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
+
+import vitblocks
+
+ALL = vitblocks.list_models()
+# the default run: small models that still cover a swapped FFN with grid tracking (LocalViT), the
+# gating unit and Mixer blocks in a ViT. test_dense.py runs features_only / forward_intermediates
+# for the 224 px families (ViT/DeiT, Swin, PoolFormer, PVTv2) and a detector by default.
+SUBSET = ['ninformer_vit_patch4_32', 'ninformer_baseline_localvit_patch4_32', 'ninformer_baseline_mixer_patch4_28']
+# TorchScript: models whose swapped layers do not script yet (their layers keep a Python TokenLayout,
+# infer list sizes, or call functions stored as attributes): IFFN, AFBO, LocalityFFN, the gating unit
+# and value-activation attention.
+NOT_SCRIPTABLE = ('iffn_', 'afbo_', 'ninformer_vit_', 'ninformer_baseline_localvit_', 'mabvit_glu', 'mabvit_prglu',
+                  'mabvit_gelu')
+CFG_KEYS = ('input_size', 'fixed_input_size', 'interpolation', 'crop_pct', 'mean', 'std', 'num_classes', 'pool_size',
+            'first_conv', 'classifier')
+
+
+def _slow_unless_subset(names):
+    return [n if n in SUBSET else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+def _input(model, batch=1):
+    return torch.randn(batch, *model.pretrained_cfg['input_size'])
+
+
+@pytest.mark.parametrize('name', _slow_unless_subset(ALL))
+def test_forward_backward(name):
+    model = timm.create_model(name, num_classes=7).train()
+    out = model(_input(model, 2))
+    assert out.shape == (2, 7) and torch.isfinite(out).all()
+    out.mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f'no gradient for {missing[:5]}'
+
+
+@pytest.mark.parametrize('name', _slow_unless_subset(ALL))
+def test_pretrained_cfg(name):
+    model = timm.create_model(name).eval()
+    cfg = model.pretrained_cfg
+    assert all(k in cfg for k in CFG_KEYS)
+    # the registry's config (what timm's data pipeline reads before building) is the model's
+    assert get_pretrained_cfg_value(name, 'input_size') == cfg['input_size']
+    state = model.state_dict()
+    assert f"{cfg['first_conv']}.weight" in state and f"{cfg['classifier']}.weight" in state
+    x = _input(model)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        pre = model.forward_head(feats, pre_logits=True)
+    assert pre.shape == (1, model.head_hidden_size)
+    if cfg['pool_size'] is not None:  # the unpooled grid, channels-first or -last as the family has it
+        grid = feats.shape[1:3] if feats.shape[-1] == model.num_features else feats.shape[2:]
+        assert tuple(grid) == tuple(cfg['pool_size'])
+    model.reset_classifier(0)
+    with torch.no_grad():
+        assert model(x).shape == (1, model.head_hidden_size)
+
+
+@pytest.mark.parametrize('name', _slow_unless_subset(ALL))
+def test_forward_intermediates_and_features(name):
+    model = timm.create_model(name).eval()
+    x = _input(model)
+    with torch.no_grad():
+        final, inter = model.forward_intermediates(x)
+        torch.testing.assert_close(final, model.forward_features(x))
+    assert len(inter) == len(model.feature_info) >= 3
+    feats = timm.create_model(name, features_only=True).eval()
+    with torch.no_grad():
+        outs = feats(x)
+    nhwc = getattr(feats, 'output_fmt', 'NCHW') == 'NHWC'
+    size = x.shape[-1]
+    for o, c, r in zip(outs, feats.feature_info.channels(), feats.feature_info.reduction()):
+        assert o.shape[-1 if nhwc else 1] == c
+        assert o.shape[1 if nhwc else 2] == math.ceil(size / r)
+
+
+def _fx(model, train=False):
+    kw = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions(),
+              param_shapes_constant=True)
+    train_nodes, eval_nodes = get_graph_node_names(model, tracer_kwargs=kw)
+    return create_feature_extractor(model, train_return_nodes=[train_nodes[-1]], eval_return_nodes=[eval_nodes[-1]],
+                                    tracer_kwargs=kw)
+
+
+@pytest.mark.parametrize('name', _slow_unless_subset(ALL))
+def test_fx(name):
+    model = timm.create_model(name, num_classes=7).eval()
+    x = _input(model)
+    with torch.no_grad():
+        ref = model(x)
+        got = next(iter(_fx(model)(x).values()))
+    assert torch.equal(got, ref)
+    traced = _fx(model.train(), train=True)
+    out = next(iter(traced(_input(model, 2)).values()))
+    out.mean().backward()
+    assert all(p.grad is not None for p in traced.parameters())
+
+
+SCRIPTABLE = [n for n in ALL if not n.startswith(NOT_SCRIPTABLE)]
+
+
+@pytest.mark.parametrize('name', _slow_unless_subset(SCRIPTABLE))
+def test_torchscript(name):
+    with timm.layers.set_scriptable(True):
+        model = timm.create_model(name).eval()
+    scripted = torch.jit.script(model)
+    x = _input(model)
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x), model(x))
+
+
+def test_not_scriptable_list_is_current():
+    """NOT_SCRIPTABLE names real prefixes (no stale entries that would hide a model from the check)."""
+    for prefix in NOT_SCRIPTABLE:
+        assert any(n.startswith(prefix) for n in ALL), prefix
+
+
+def test_variant_config_overrides_are_checked():
+    from vitblocks.models import VariantSpec, register_variant
+    spec = dict(name='test_only_swin_tiny', method='test', base='swin_tiny_patch4_window7_224', build=lambda m, c: 0)
+    with pytest.raises(ValueError, match='give pool_size too'):  # Swin declares its 7x7 feature grid
+        register_variant(VariantSpec(**spec, pretrained_cfg=dict(input_size=(3, 256, 256))))
+    with pytest.raises(ValueError, match="not data/model fields"):
+        register_variant(VariantSpec(**spec, pretrained_cfg=dict(hf_hub_id='x/y')))
+    assert 'test_only_swin_tiny' not in vitblocks.list_models()
+
+
+def test_feature_kwargs_need_features_only():
+    with pytest.raises(ValueError, match='features_only=True'):
+        timm.create_model('ninformer_vit_patch4_32', out_indices=(1, 2))
