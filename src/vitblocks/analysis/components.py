@@ -40,9 +40,13 @@ def component_modules(model: nn.Module) -> List[Tuple[str, str, nn.Module]]:
         if any(name.startswith(t + '.') for t in taken):
             continue
         comp = component_of(name) if name else None
-        if comp is not None and not isinstance(module, nn.Identity):
+        if comp is None or isinstance(module, nn.Identity):
+            continue
+        if comp == 'head' and isinstance(module, nn.Sequential):  # PoolFormer calls head.norm, head.fc, ... itself
+            found += [(f'{name}.{n}', comp, m) for n, m in module.named_children() if not isinstance(m, nn.Identity)]
+        else:
             found.append((name, comp, module))
-            taken.append(name)
+        taken.append(name)
     return found
 
 
