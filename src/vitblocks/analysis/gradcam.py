@@ -2,14 +2,15 @@
 with the maintained ``grad-cam`` package; this module only says, per timm family, which layer
 to read and how to turn its output into the ``(B, C, H, W)`` map Grad-CAM expects.
 
-Target layer: ``norm1`` of the last block, the normalized input of its token mixer (as in
-grad-cam's ViT recipe: the output of the last block reaches a class-token head only through the
-class token, so its patch tokens get no gradient). Layouts:
+Target layer: the output of the last block, whose tokens the head averages (the CAM of a
+global-average-pooled network); for models with prefix tokens, ``norm1`` of the last block
+instead (grad-cam's ViT recipe: the last block's output reaches a class-token head only through
+the class token, so its patch tokens get no gradient). Layouts:
 
-| family | ``norm1`` output | reshape |
+| family | layer output | reshape |
 | --- | --- | --- |
 | ViT/DeiT (and vitblocks variants) | ``(B, P + H*W, C)`` | drop the P prefix tokens, grid from ``patch_embed.grid_size`` |
-| MLP-Mixer | ``(B, H*W, C)`` | grid from ``patch_embed.grid_size`` |
+| MLP-Mixer | ``(B, H*W, C)`` | grid from ``stem.grid_size`` |
 | Swin | ``(B, H, W, C)`` | channels to dim 1 |
 | PoolFormer (MetaFormer) | ``(B, C, H, W)`` | none |
 """
@@ -26,16 +27,18 @@ __all__ = ['gradcam_target', 'gradcam_maps', 'plot_gradcam']
 
 
 def _token_grid(model: nn.Module) -> Tuple[int, int]:
-    grid = getattr(getattr(model, 'patch_embed', None), 'grid_size', None)
+    embed = getattr(model, 'patch_embed', None) or getattr(model, 'stem', None)  # MlpMixer calls it stem
+    grid = getattr(embed, 'grid_size', None)
     if grid is None:
-        raise ValueError(f'{type(model).__name__} has no patch_embed.grid_size; cannot lay its tokens out as a map')
+        raise ValueError(f'{type(model).__name__} has no patch_embed/stem.grid_size; cannot lay its tokens out as a map')
     return int(grid[0]), int(grid[1])
 
 
 def gradcam_target(model: nn.Module) -> Tuple[nn.Module, Optional[Callable[[torch.Tensor], torch.Tensor]]]:
     """``(layer, reshape_transform)`` for Grad-CAM on ``model`` (see the module docstring)."""
     name, block = find_blocks(model)[-1]
-    layer = getattr(block, 'norm1', None)
+    prefix = int(getattr(model, 'num_prefix_tokens', 0))
+    layer = getattr(block, 'norm1', None) if prefix else block
     if not isinstance(layer, nn.Module):
         raise ValueError(f'{name} ({type(block).__name__}) has no norm1 to read Grad-CAM activations from')
     if name.startswith('stages.'):  # PoolFormer: already (B, C, H, W)
@@ -43,7 +46,6 @@ def gradcam_target(model: nn.Module) -> Tuple[nn.Module, Optional[Callable[[torc
     if name.startswith('layers.'):  # Swin: (B, H, W, C)
         return layer, lambda t: t.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
     h, w = _token_grid(model)
-    prefix = int(getattr(model, 'num_prefix_tokens', 0))
 
     def tokens_to_map(t: torch.Tensor) -> torch.Tensor:
         if t.shape[1] != prefix + h * w:
