@@ -6,9 +6,11 @@ time is the wall time between entering and leaving it. The hooked forward's tota
 components is ``other`` (residual additions, position embedding, window partitioning, pooling).
 The model is also timed without hooks, interleaved with the hooked runs so machine drift hits
 both alike: the hooked total staying within a few percent of it shows the hooks do not distort
-what they measure. Timings are per batch in milliseconds, means over ``repeats`` (means, unlike
-medians, add up).
+what they measure. Timings are per batch in milliseconds, medians over ``repeats`` (a shared
+machine's outliers move means by tens of percent); ``other`` is the median hooked total minus
+the component medians.
 """
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ class LatencyBreakdown:
     model: str
     batch_size: int
     device: str
-    components_ms: Dict[str, float] = field(default_factory=dict)  # COMPONENTS -> mean ms per batch
+    components_ms: Dict[str, float] = field(default_factory=dict)  # COMPONENTS -> median ms per batch
     hooked_total_ms: float = 0.0  # the forward with the timing hooks
     plain_total_ms: float = 0.0  # the forward without them
 
@@ -53,7 +55,7 @@ def latency_breakdown(model: nn.Module, images: torch.Tensor, name: str = '', wa
         raise ValueError(f'{type(model).__name__}: no component modules (patch_embed, attn/token_mixer, mlp, '
                          f'norm*, head) found; see vitblocks.analysis.components')
     device = images.device
-    spent = {c: 0.0 for c in COMPONENTS}
+    spent = {c: 0.0 for c in COMPONENTS}  # seconds in the current forward
     started: Dict[str, float] = {}
 
     def enter(key):
@@ -81,21 +83,24 @@ def latency_breakdown(model: nn.Module, images: torch.Tensor, name: str = '', wa
     try:
         for _ in range(warmup):
             model(images)
-        plain = hooked = 0.0
+        plain, hooked, per_comp = [], [], {c: [] for c in COMPONENTS}
         for _ in range(repeats):
-            plain += timed_forward()
+            plain.append(timed_forward())
             handles = [h for n, c, m in parts for h in (m.register_forward_pre_hook(enter(n)),
                                                          m.register_forward_hook(leave(n, c)))]
-            hooked += timed_forward()
+            spent.update({c: 0.0 for c in COMPONENTS})
+            hooked.append(timed_forward())
+            for c in COMPONENTS:
+                per_comp[c].append(spent[c])
             for h in handles:
                 h.remove()
     finally:
         for h in handles:
             h.remove()
         model.train(was_training)
-    ms = lambda s: 1e3 * s / repeats
+    ms = lambda seconds: 1e3 * statistics.median(seconds)
     return LatencyBreakdown(name or type(model).__name__, images.shape[0], str(device),
-                            {c: ms(s) for c, s in spent.items()}, ms(hooked), ms(plain))
+                            {c: ms(v) for c, v in per_comp.items()}, ms(hooked), ms(plain))
 
 
 def plot_breakdown(results: Sequence[LatencyBreakdown], path: Union[str, Path], title: str = '') -> Path:

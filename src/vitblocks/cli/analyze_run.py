@@ -145,7 +145,7 @@ def run_breakdown(args, models, images, device, out) -> int:
         results.append(analysis.latency_breakdown(model.to(device), x, name=name, warmup=args.warmup,
                                                   repeats=args.repeats))
     comps = list(analysis.breakdown.COMPONENTS)
-    print(f'latency ms per batch of {args.num_images} on {device}, mean of {args.repeats} (threads '
+    print(f'latency ms per batch of {args.num_images} on {device}, median of {args.repeats} (threads '
           f'{torch.get_num_threads()}); other = residual adds, position embedding, pooling, ...;'
           f' plain = the forward without timing hooks\n')
     rows = [[r.model] + [f'{r.components_ms[c]:.2f}' for c in comps] +
