@@ -121,7 +121,8 @@ def run_gradcam(args, models, images, device, out) -> int:
             cam = maps[m.name][b]
             rows.append([m.name, b, name(labels[b]) if labels else '-', name(c), cam.shape[0], cam.shape[1],
                          f'{float((cam >= 0.5).mean()):.3f}'])
-    print('maps    Grad-CAM of the predicted class at the last block\'s norm1; area = share of pixels with map >= 0.5\n')
+    print('maps    Grad-CAM of the predicted class at the last block (its norm1 if the model has prefix tokens, else '
+          'its output); area = share of pixels with map >= 0.5\n')
     print('\n'.join(render_table(['model', 'image', 'label', 'predicted', 'H', 'W', 'area'], rows, 'lrllrrr')))
     pics = raw if raw is not None else (x - x.min()) / (x.max() - x.min())
     titles = [classes[c] for c in labels] if classes else None
