@@ -27,6 +27,8 @@ def test_components_sum_to_the_measured_total():
     r = latency_breakdown(model, torch.randn(8, 3, 64, 64), name='deit', warmup=2, repeats=9)
     parts = sum(r.components_ms.values())
     assert r.components_ms['ffn'] > 0 and r.components_ms['token mixer'] > 0 and r.components_ms['patch embed'] > 0
-    # what the hooks measure adds up to the forward timed without hooks, within a few percent
-    assert abs(parts - r.plain_total_ms) / r.plain_total_ms < 0.08, (parts, r.plain_total_ms)
+    # the components cover the forward: what lies between them (residual adds, position embedding) is small
+    assert 0 <= r.other_ms / r.hooked_total_ms < 0.05, (parts, r.hooked_total_ms)
+    # and the hooks do not distort it: the un-hooked forward takes about as long (loose: a shared CPU is noisy)
+    assert abs(parts - r.plain_total_ms) / r.plain_total_ms < 0.25, (parts, r.plain_total_ms)
     assert 0 < r.share('ffn') < 1
