@@ -16,6 +16,7 @@ separately, Eq. 14-19), which can only tighten the bound; and the slope bounds a
 because AGeLU's slope ``alpha * beta * GELU'`` differs per channel. A timm ``Mlp`` is the case of one
 part. Where the theorem does not hold (LayerNorm, the depthwise block, bilinear FFNs) the report says so.
 """
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -98,7 +99,7 @@ def jacobian_norm_lower_bound(f: Callable[[torch.Tensor], torch.Tensor], x: torc
 
     Each value is a Rayleigh-quotient estimate, at most the true ``||J(x_b)||_2``, and every
     ``||J(x)||_2`` is a lower bound of the Lipschitz constant: so ``max`` of the result is one.
-    Returns a float tensor of shape ``(B,)``.
+    Returns a tensor of shape ``(B,)`` in the dtype of ``x``.
     """
     g = torch.Generator(device='cpu').manual_seed(seed)
     v = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
@@ -221,7 +222,6 @@ def ffn_lipschitz(ffn: nn.Module, tokens: torch.Tensor, name: str = '', solver: 
 
 def _module_jacobian_lower_bound(ffn: nn.Module, tokens: torch.Tensor, iters: int) -> float:
     """Largest Jacobian norm of the module as built (per image: its spatial part mixes tokens)."""
-    import copy
     module = copy.deepcopy(ffn).double().eval()
     cf = getattr(getattr(module, 'layout', None), 'channels_first', False)
     x = tokens.permute(0, 3, 1, 2) if cf and tokens.ndim == 4 else tokens  # (B, H, W, C) -> (B, C, H, W)
