@@ -7,8 +7,8 @@ components is ``other`` (residual additions, position embedding, window partitio
 The model is also timed without hooks, interleaved with the hooked runs so machine drift hits
 both alike: the hooked total staying within a few percent of it shows the hooks do not distort
 what they measure. Timings are per batch in milliseconds, medians over ``repeats`` (a shared
-machine's outliers move means by tens of percent); ``other`` is the median hooked total minus
-the component medians.
+machine's outliers move means by tens of percent); ``other`` is the median over runs of each
+hooked run's total minus its components (within one run, so load spikes cancel).
 """
 import statistics
 import time
@@ -32,10 +32,7 @@ class LatencyBreakdown:
     components_ms: Dict[str, float] = field(default_factory=dict)  # COMPONENTS -> median ms per batch
     hooked_total_ms: float = 0.0  # the forward with the timing hooks
     plain_total_ms: float = 0.0  # the forward without them
-
-    @property
-    def other_ms(self) -> float:
-        return self.hooked_total_ms - sum(self.components_ms.values())
+    other_ms: float = 0.0  # median over runs of (hooked total - components) of the same run
 
     def share(self, component: str) -> float:
         return self.components_ms[component] / self.hooked_total_ms
@@ -83,7 +80,7 @@ def latency_breakdown(model: nn.Module, images: torch.Tensor, name: str = '', wa
     try:
         for _ in range(warmup):
             model(images)
-        plain, hooked, per_comp = [], [], {c: [] for c in COMPONENTS}
+        plain, hooked, other, per_comp = [], [], [], {c: [] for c in COMPONENTS}
         for _ in range(repeats):
             plain.append(timed_forward())
             handles = [h for n, c, m in parts for h in (m.register_forward_pre_hook(enter(n)),
@@ -92,6 +89,7 @@ def latency_breakdown(model: nn.Module, images: torch.Tensor, name: str = '', wa
             hooked.append(timed_forward())
             for c in COMPONENTS:
                 per_comp[c].append(spent[c])
+            other.append(hooked[-1] - sum(spent.values()))
             for h in handles:
                 h.remove()
     finally:
@@ -100,7 +98,7 @@ def latency_breakdown(model: nn.Module, images: torch.Tensor, name: str = '', wa
         model.train(was_training)
     ms = lambda seconds: 1e3 * statistics.median(seconds)
     return LatencyBreakdown(name or type(model).__name__, images.shape[0], str(device),
-                            {c: ms(v) for c, v in per_comp.items()}, ms(hooked), ms(plain))
+                            {c: ms(v) for c, v in per_comp.items()}, ms(hooked), ms(plain), ms(other))
 
 
 def plot_breakdown(results: Sequence[LatencyBreakdown], path: Union[str, Path], title: str = '') -> Path:
