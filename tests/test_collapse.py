@@ -5,7 +5,7 @@ import pytest
 import timm
 import torch
 
-from vitblocks.analysis import plot_residual_growth, residual_growth
+from vitblocks.analysis import plot_divergence, plot_residual_growth, residual_growth, sequential_vs_parallel
 from vitblocks.cli import analyze
 from vitblocks.cli.common import ArgumentParser
 
@@ -79,6 +79,38 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+def test_sequential_vs_parallel_matches_the_definition_and_vanishes_without_mlp():
+    torch.manual_seed(0)
+    model = timm.create_model('deit_tiny_patch16_224', img_size=32, patch_size=8, depth=3, embed_dim=16,
+                              num_heads=2).eval()
+    x = torch.randn(2, 3, 32, 32)
+    rows = sequential_vs_parallel(model, x)
+    tok = lambda t: t.norm(dim=-1).mean().item()
+    with torch.no_grad():  # by hand, with each block's input from the model's own (sequential) forward
+        h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
+        for r, blk in zip(rows, model.blocks):
+            mid = h + blk.attn(blk.norm1(h))
+            seq, par = mid + blk.mlp(blk.norm2(mid)), mid + blk.mlp(blk.norm2(h))
+            assert (r.stream_in, r.distance, r.update) == pytest.approx((tok(h), tok(seq - par), tok(seq - h)), rel=1e-5)
+            assert r.relative == pytest.approx(r.distance / r.stream_in) and r.distance > 0
+            h = blk(h)
+    for blk in model.blocks:  # MLP branch outputs zero: sequential == parallel exactly
+        torch.nn.init.zeros_(blk.mlp.fc2.weight)
+        torch.nn.init.zeros_(blk.mlp.fc2.bias)
+    assert [r.distance for r in sequential_vs_parallel(model, x)] == [0.0, 0.0, 0.0]
+
+
+def test_sequential_vs_parallel_on_parallel_and_value_glu_blocks(tmp_path):
+    pytest.importorskip('matplotlib')
+    curves = {}
+    for name in ('mabvit_glu_parallel_vit_tiny_patch16_224', 'mabvit_glu_vit_tiny_patch16_224'):
+        torch.manual_seed(0)
+        model = timm.create_model(name, img_size=32, depth=2)
+        curves[name] = sequential_vs_parallel(model, torch.randn(2, 3, 32, 32))
+        assert len(curves[name]) == 2 and all(r.stream_in > 0 for r in curves[name])
+    assert plot_divergence(curves, tmp_path / 'd.png').read_bytes()[:4] == b'\x89PNG'
+
+
 def _cli(*argv):
     parser = ArgumentParser(prog='vitblocks')
     analyze.add_parser(parser.add_subparsers(dest='command', required=True))
@@ -89,11 +121,12 @@ def _cli(*argv):
 def test_cli_prints_per_block_ratios_and_plots(tmp_path, capsys):
     pytest.importorskip('matplotlib')
     out = tmp_path / 'collapse.png'
-    assert _cli('collapse', 'ninformer_vit_patch4_28', '--batch-size', '2', '--out', str(out)) == 0
+    assert _cli('collapse', 'ninformer_vit_patch4_28', '--num-images', '2', '--out', str(out)) == 0
     text = capsys.readouterr().out
-    assert 'attn/X' in text and 'mlp/X' in text and f'plot    {out}' in text
+    assert 'attn/X' in text and 'mlp/X' in text and 'seq-par/X' in text and f'plot    {out}' in text
     rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 8]
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
+    assert all(0 < float(r[6]) for r in rows)  # seq-par/X
     assert out.is_file()
 
 

@@ -27,7 +27,8 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-__all__ = ['BlockNorms', 'CollapseReport', 'residual_growth', 'plot_residual_growth']
+__all__ = ['BlockNorms', 'CollapseReport', 'residual_growth', 'plot_residual_growth', 'BlockDivergence',
+           'sequential_vs_parallel', 'plot_divergence']
 
 
 @dataclass(frozen=True)
@@ -155,5 +156,83 @@ def plot_residual_growth(report: CollapseReport, path: Union[str, Path], title: 
     fig.suptitle(title or f'{report.model}: residual growth ({b} inputs, {c}x{h}x{w})')
     path = Path(path)
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+@dataclass(frozen=True)
+class BlockDivergence:
+    """Sequential vs parallel composition of one block's own attention and MLP weights."""
+    index: int
+    stream_in: float  # |X_i|, mean per-token L2 norm of the block input
+    distance: float  # mean per-token |X_seq - X_par|
+    update: float  # mean per-token |X_seq - X_i|, the sequential block's whole update
+
+    @property
+    def relative(self) -> float:
+        """distance / |X_i|: small means the two compositions give the same stream (the claim)."""
+        return self.distance / self.stream_in
+
+    @property
+    def relative_to_update(self) -> float:
+        return self.distance / self.update if self.update > 0 else 0.0
+
+
+@torch.no_grad()
+def sequential_vs_parallel(model: nn.Module, inputs: torch.Tensor) -> List[BlockDivergence]:
+    """MABViT's collapse claim measured directly: at each block, with its input ``X_i`` from the
+    model's own forward and its own weights,
+
+        sequential:  X_seq = X_i + A(LN1 X_i);  X_seq += M(LN2 X_seq)     ("Standard Pre-LN", X_{i+2})
+        parallel:    X_par = X_i + A(LN1 X_i) + M(LN2 X_i)                ("Parallel Pre-LN", X_{j+1})
+
+    (A, M include layer-scale ``ls1``/``ls2``). The two differ only through ``M(LN2 X_seq) -
+    M(LN2 X_i)``, so the distance vanishes when the MLP branch outputs zero, and it is small
+    relative to ``|X_i|`` when the stream dominates the attention update (the paper's argument).
+    The block's own forward (sequential or parallel) only decides which ``X_i`` the next block sees.
+    """
+    blocks = _probe_points(model)
+    for i, blk in enumerate(blocks):
+        if not all(isinstance(getattr(blk, a, None), nn.Module) for a in ('norm1', 'attn', 'norm2', 'mlp')):
+            raise ValueError(f'blocks.{i} ({type(blk).__name__}) has no norm1/attn/norm2/mlp; the sequential-vs-'
+                             f'parallel measure needs both branches of a timm ViT-style block')
+    results: List[BlockDivergence] = []
+
+    def measure(i: int):
+        def hook(blk, args, output):  # after the block ran, so grid-tracking pre-hooks have set layouts
+            x = args[0]
+            mid = x + blk.ls1(blk.attn(blk.norm1(x)))
+            seq = mid + blk.ls2(blk.mlp(blk.norm2(mid)))
+            par = mid + blk.ls2(blk.mlp(blk.norm2(x)))
+            results.append(BlockDivergence(i, _token_norm(x).item(), _token_norm(seq - par).item(),
+                                           _token_norm(seq - x).item()))
+        return hook
+
+    handles = [blk.register_forward_hook(measure(i)) for i, blk in enumerate(blocks)]
+    was_training = model.training
+    model.eval()
+    try:
+        model(inputs)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return results
+
+
+def plot_divergence(curves: Dict[str, List[BlockDivergence]], path: Union[str, Path]) -> Path:
+    """|X_seq - X_par| / |X_i| per block for several models on one axis; returns the PNG path."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
+    for k, (label, rows) in enumerate(curves.items()):
+        ax.plot([r.index for r in rows], [r.relative for r in rows], f'C{k}-o', label=label)
+    ax.set(xlabel='block', ylabel='|X_seq - X_par| / |X_in|', yscale='log',
+           title='sequential vs parallel composition of the same weights')
+    ax.grid(alpha=.3)
+    ax.legend(fontsize=8)
+    path = Path(path)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

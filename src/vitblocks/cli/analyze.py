@@ -1,96 +1,180 @@
-"""`vitblocks analyze ANALYSIS MODEL`: analyses of a model (collapse: the residual-growth probe)."""
+"""`vitblocks analyze ANALYSIS MODEL... [--checkpoint CKPT...] [--data DIR]`: the papers' analyses.
+
+lipschitz (IFFN Thm 4.3), entropy (AFBO Table 18), gradcam (AFBO Figs. 3-4), breakdown (RePa
+Fig. 3), collapse (MABViT). This module builds the parser and loads models and images; the
+analyses print and plot in :mod:`.analyze_run`.
+"""
 import argparse
-import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import List, Optional, Tuple
 
 import torch
-from timm.models import load_checkpoint
+import yaml
+from torch import nn
 
-from ..analysis import plot_residual_growth, residual_growth
+from ..data import DataError, build_dataset, build_pil_transform, eval_split_of
+from ..experiments import CheckpointError, ConfigError, load_model_weights, merge
+from ..experiments.checkpoint import FORMAT, read_checkpoint
+from ..experiments.setup import create_model
 from ..profile import input_size_of
-from .common import CliError, build_model, describe_model, parse_block_cfg, positive_int, render_table, resolve
+from . import analyze_run
+from .common import CliError, build_model, parse_block_cfg, positive_int, resolve
 
 NAME = 'analyze'
 
 EPILOG = """\
 examples:
-  vitblocks analyze collapse deit_small_patch16_224
-  vitblocks analyze collapse mabvit_prglu_vit_small_patch16_18x1_224 --out prglu18.png
-  vitblocks analyze collapse deit_tiny_patch16_224 --batch-size 4 --input-size 3 224 224
-  vitblocks analyze collapse vit_small_patch16_224 --checkpoint runs/vit_s/last.pth.tar --no-plot
+  vitblocks analyze lipschitz iffn_deit_tiny_patch16_224 --checkpoint runs/iffn/last.pth --data cifar10
+  vitblocks analyze entropy deit_tiny_patch16_224 iffn_deit_tiny_patch16_224 --checkpoint a.pth b.pth --data cifar10
+  vitblocks analyze gradcam deit_tiny_patch16_224 iffn_deit_tiny_patch16_224 --checkpoint a.pth b.pth --data cifar10
+  vitblocks analyze breakdown deit_tiny_patch16_224 deit_small_patch16_224 repa_deit_small_patch16_224 --deploy
+  vitblocks analyze collapse deit_tiny_patch16_224 mabvit_glu_vit_tiny_patch16_224 --checkpoint a.pth b.pth --data cifar10
+
+MODEL is a timm or vitblocks name; --checkpoint takes one file per MODEL ('-' = random init):
+a vitblocks run's last.pth/best.pth (it carries the model's kwargs, input size and normalization),
+a .safetensors, a timm .pth or a bare state dict. --data is a dataset folder, shards or a NAME
+(as for `vitblocks train`); its evaluation split is used. Without --data the inputs are standard
+normal images. Each analysis prints a table and writes a PNG (--out, or --no-plot).
 """
 
-COLLAPSE_EPILOG = """\
-examples:
-  vitblocks analyze collapse deit_small_patch16_224
-  vitblocks analyze collapse mabvit_glu_vit_small_patch16_224 --batch-size 16 --out glu.png
-  vitblocks analyze collapse vit_small_patch16_224 --checkpoint vit_s.pth --no-plot
-
-Per block: the mean per-token L2 norm of the residual stream entering it, of the attention and
-MLP branch outputs added to it, their ratios (MABViT's representation-collapse hypothesis: the
-stream grows with depth, the branch updates do not), and cos(X_in, X_out). Inputs are standard
-normal images; without --checkpoint the weights are a fresh random init, so the numbers show
-the architecture at initialization.
-"""
+ANALYSES = {
+    'lipschitz': 'FFN Lipschitz constant per block: SDP bound (IFFN Thm 4.3), naive bound, empirical lower bound',
+    'entropy': 'feature entropy of each block output, models side by side (AFBO Table 18)',
+    'gradcam': 'Grad-CAM maps of the last block for a few images, models side by side (AFBO Figs. 3-4)',
+    'breakdown': 'latency per component: patch embedding, token mixer, FFN, norms, head (RePa Fig. 3)',
+    'collapse': 'residual growth and sequential-vs-parallel divergence per block (MABViT)',
+}
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(NAME, help='analyses of a model (collapse: residual-growth probe)',
+    p = subparsers.add_parser(NAME, help='the papers\' analyses: lipschitz, entropy, gradcam, breakdown, collapse',
                               description='Analyses that run a model and report on its internals.', epilog=EPILOG)
     sub = p.add_subparsers(dest='analysis', metavar='ANALYSIS', required=True)
-    c = sub.add_parser('collapse', help='per-block norms of the residual stream vs the attention/MLP outputs',
-                       description='Residual-growth probe (MABViT): per block, the norm of the residual stream next '
-                                   'to the norm of each branch output, printed and plotted.',
-                       epilog=COLLAPSE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument('model', help='timm or vitblocks ViT-style model name (see `vitblocks list`)')
-    c.add_argument('--batch-size', type=positive_int, metavar='N', default=8, help='probe images (default 8)')
-    c.add_argument('--input-size', nargs=3, type=positive_int, metavar=('C', 'H', 'W'),
-                   help='input size (default: the model\'s pretrained config, usually 3 224 224)')
-    c.add_argument('--checkpoint', metavar='PATH', help='load these weights (timm checkpoint or state dict)')
-    c.add_argument('--block-cfg', nargs='+', metavar='KEY=VALUE', help='override a vitblocks model\'s block config')
-    c.add_argument('--seed', type=int, default=0, help='seed for the weights and the probe images (default 0)')
-    c.add_argument('--out', metavar='PNG', help='plot file (default: collapse_<model>.png in the current directory)')
-    c.add_argument('--no-plot', action='store_true', help='print the table only')
-    c.set_defaults(run=run_collapse)
+    for name, help_text in ANALYSES.items():
+        a = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        a.add_argument('models', nargs='+', metavar='MODEL', help='timm or vitblocks model name(s)')
+        a.add_argument('--checkpoint', '--weights', nargs='+', metavar='CKPT', dest='checkpoints',
+                       help="weights, one per MODEL ('-' for random init)")
+        a.add_argument('--data', metavar='DIR', help='real images: dataset folder, shards or NAME (evaluation split)')
+        a.add_argument('--num-images', type=positive_int, metavar='N', default=analyze_run.DEFAULT_IMAGES[name],
+                       help=f'images to run on (default {analyze_run.DEFAULT_IMAGES[name]})')
+        a.add_argument('--input-size', nargs=3, type=positive_int, metavar=('C', 'H', 'W'),
+                       help="input size (default: the checkpoint's, else the model's config)")
+        a.add_argument('--model-kwargs', metavar='YAML', type=_yaml_dict,
+                       help="timm.create_model kwargs for models built here, e.g. '{img_size: 32, patch_size: 4}'")
+        a.add_argument('--block-cfg', nargs='+', metavar='KEY=VALUE', help='override a vitblocks model\'s block config')
+        a.add_argument('--seed', type=int, default=0, help='seed for random weights, images and image choice')
+        a.add_argument('--threads', type=positive_int, help='torch CPU threads')
+        a.add_argument('--out', metavar='PNG', help=f'plot file (default {name}.png)')
+        a.add_argument('--no-plot', action='store_true', help='print the table only')
+        analyze_run.add_options(name, a)
+        a.set_defaults(run=run)
 
 
-def run_collapse(args) -> int:
-    name = resolve(args.model)
+def _yaml_dict(text: str) -> dict:
+    value = yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping such as '{{img_size: 32}}', got {text!r}")
+    return value
+
+
+@dataclass
+class Loaded:
+    name: str  # model name as given
+    label: str  # name + where its weights came from
+    model: nn.Module
+    input_size: Tuple[int, int, int]
+    mean: Optional[Tuple[float, ...]]  # normalization the weights were trained with, if known
+    std: Optional[Tuple[float, ...]]
+
+
+def load_model(name: str, checkpoint: Optional[str], block_cfg, input_size, model_kwargs=None) -> Loaded:
+    """Build ``name`` and load ``checkpoint`` (a vitblocks run checkpoint rebuilds the model as trained)."""
+    name = resolve(name)
+    if not checkpoint or checkpoint == '-':
+        model = build_model(name, block_cfg, model_kwargs)
+        size = tuple(input_size) if input_size else _input_size(model)
+        return Loaded(name, f'{name} (random init)', model, size, None, None)
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise CliError(f'--checkpoint {checkpoint}: no such file')
+    try:
+        raw = read_checkpoint(path) if path.suffix != '.safetensors' else None
+        meta = raw if isinstance(raw, dict) and raw.get('format') == FORMAT else {}
+        state = load_model_weights(path)
+        if meta:
+            cfg = merge(meta['config'])
+            if resolve(cfg.model) != name:
+                raise CliError(f'{path} was trained as {cfg.model}, not {name}; name that model')
+            if block_cfg or model_kwargs:
+                raise CliError(f'{path} is a vitblocks run checkpoint: it rebuilds its model as trained; '
+                               f'drop --block-cfg/--model-kwargs')
+            model = create_model(cfg, meta['num_classes']).eval()
+        else:
+            model = build_model(name, block_cfg, model_kwargs)
+        model.load_state_dict(state)
+    except (CheckpointError, ConfigError) as e:
+        raise CliError(str(e)) from None
+    except RuntimeError as e:
+        raise CliError(f'cannot load {path} into {name}: {str(e).splitlines()[0][:200]}') from None
+    size = tuple(input_size) if input_size else tuple(meta.get('input_size') or _input_size(model))
+    mean, std = (tuple(meta['mean']), tuple(meta['std'])) if meta.get('mean') else (None, None)
+    return Loaded(name, f'{name} ({path})', model, size, mean, std)
+
+
+def _input_size(model: nn.Module) -> Tuple[int, int, int]:
+    """The model's configured input size, with the image size it was built at (``img_size=32``)."""
+    c, h, w = input_size_of(model)
+    size = getattr(getattr(model, 'patch_embed', None), 'img_size', None) or (h, w)
+    return c, int(size[0]), int(size[1])
+
+
+def load_images(data: Optional[str], n: int, input_size, mean, std, seed: int):
+    """``(normalized images, images in [0, 1], labels, class names, description)``."""
+    g = torch.Generator().manual_seed(seed)
+    if data is None:
+        x = torch.randn(n, *input_size, generator=g)
+        return x, None, None, None, f'{n} standard normal images {"x".join(map(str, input_size))} (no --data)'
+    try:
+        split = eval_split_of(data)
+        ds = build_dataset(data, split)
+    except DataError as e:
+        raise CliError(str(e)) from None
+    if len(ds) < n:
+        raise CliError(f'{data} [{split}] has {len(ds)} images, fewer than --num-images {n}')
+    idx = torch.randperm(len(ds), generator=g)[:n].tolist()
+    plain = build_pil_transform(input_size, (0.0,) * input_size[0], (1.0,) * input_size[0], training=False,
+                                crop_pct=1.0)
+    raw = torch.stack([plain(ds.load(i)) for i in idx])  # (N, C, H, W) in [0, 1]
+    m = torch.tensor(mean).view(1, -1, 1, 1)  # (C,) -> (1, C, 1, 1)
+    s = torch.tensor(std).view(1, -1, 1, 1)
+    labels = [int(ds.targets[i]) for i in idx]
+    return (raw - m) / s, raw, labels, ds.classes, f'{n} images of {data} [{split}] {"x".join(map(str, input_size))}'
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ckpts: List[Optional[str]] = list(args.checkpoints or [None] * len(args.models))
+    if len(ckpts) != len(args.models):
+        raise CliError(f'{len(args.models)} models but {len(ckpts)} checkpoints; give one per model, '
+                       f"'-' for random init")
     block_cfg = parse_block_cfg(args.block_cfg)
     torch.manual_seed(args.seed)
-    model = build_model(name, block_cfg)
-    if args.checkpoint:
-        if not Path(args.checkpoint).is_file():
-            raise CliError(f'--checkpoint {args.checkpoint}: no such file')
-        try:
-            load_checkpoint(model, args.checkpoint)
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise CliError(f'cannot load {args.checkpoint} into {name}: {type(e).__name__}: {e}') from None
-    size = tuple(args.input_size) if args.input_size else input_size_of(model)
-    inputs = torch.randn(args.batch_size, *size)
-    try:
-        report = residual_growth(model, inputs, name=name)
-    except ValueError as e:  # not a ViT-style model
-        raise CliError(str(e)) from None
-    except (AssertionError, RuntimeError) as e:  # e.g. a fixed-size ViT given another --input-size
-        raise CliError(f'forward on a {"x".join(map(str, size))} input failed: {type(e).__name__}: {e}') from None
-
-    weights = f'weights from {args.checkpoint}' if args.checkpoint else f'random init (seed {args.seed})'
-    print(f'model   {name}  ({describe_model(name, block_cfg)})')
-    print(f'input   {args.batch_size} x {" x ".join(map(str, size))} standard normal images; {weights}')
-    print('norms   mean per-token L2 norm; attn/X = |attn| / |X_in|, mlp/X = |mlp| / |X_in + attn|')
-    print()
-    rows = [[b.index, f'{b.stream_in:.3f}', f'{b.attn:.3f}', f'{b.attn_ratio:.3f}', f'{b.stream_mid:.3f}',
-             f'{b.mlp:.3f}', f'{b.mlp_ratio:.3f}', f'{b.cosine:.3f}'] for b in report.blocks]
-    print('\n'.join(render_table(['block', '|X_in|', '|attn|', 'attn/X', '|X_mid|', '|mlp|', 'mlp/X', 'cos(in,out)'],
-                                 rows, 'rrrrrrrr')))
-    if not args.no_plot:
-        out = Path(args.out or f'collapse_{re.sub(r"[^A-Za-z0-9_.-]", "_", name)}.png')
-        try:
-            path = plot_residual_growth(report, out)
-        except ImportError as e:
-            raise CliError(f'{e} (or pass --no-plot)') from None
-        except OSError as e:
-            raise CliError(f'cannot write the plot to {out}: {e}') from None
-        print(f'\nplot    {path}')
-    return 0
+    device = torch.device(getattr(args, 'device', 'cpu'))  # only breakdown runs off the CPU
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise CliError('--device cuda: no CUDA device here; use --device cpu')
+    models = [load_model(m, c, block_cfg, args.input_size, args.model_kwargs) for m, c in zip(args.models, ckpts)]
+    sizes = {m.input_size for m in models}
+    if len(sizes) > 1 and args.analysis != 'breakdown':
+        raise CliError(f'the models expect different input sizes {sorted(sizes)}; give --input-size')
+    ref = models[0]
+    mean = ref.mean or tuple(ref.model.pretrained_cfg.get('mean', (0.5,) * ref.input_size[0]))
+    std = ref.std or tuple(ref.model.pretrained_cfg.get('std', (0.5,) * ref.input_size[0]))
+    if any(m.mean and (m.mean, m.std) != (mean, std) for m in models):
+        raise CliError('the checkpoints were trained with different normalizations; analyze them separately')
+    images = load_images(args.data, args.num_images, ref.input_size, mean, std, args.seed)
+    out = None if args.no_plot else Path(args.out or f'{args.analysis}.png')
+    return analyze_run.RUNNERS[args.analysis](args, models, images, device, out)

@@ -1,0 +1,74 @@
+"""`vitblocks analyze lipschitz|entropy|gradcam|breakdown`: tables, plots and errors on tiny models."""
+import pytest
+import torch
+
+from vitblocks.cli import analyze
+from vitblocks.cli.common import ArgumentParser, CliError
+
+from _train_helpers import SHARED_DATA
+
+TINY = '{img_size: 32, patch_size: 8, depth: 2, embed_dim: 16, num_heads: 2, num_classes: 10}'
+
+
+def _cli(*argv):
+    parser = ArgumentParser(prog='vitblocks')
+    analyze.add_parser(parser.add_subparsers(dest='command', required=True))
+    args = parser.parse_args(['analyze', *argv])
+    return args.run(args)
+
+
+def _rows(text, first):
+    return [line.split() for line in text.splitlines() if line.startswith(first)]
+
+
+def test_entropy_two_models_side_by_side(tmp_path, capsys):
+    out = tmp_path / 'e.png'
+    assert _cli('entropy', 'deit_tiny_patch16_224', 'iffn_deit_tiny_patch16_224', '--model-kwargs', TINY,
+                '--num-images', '4', '--out', str(out)) == 0
+    text = capsys.readouterr().out
+    rows = [r for r in (line.split() for line in text.splitlines()) if r and r[0] in ('0', '1', 'mean')]
+    assert [r[0] for r in rows] == ['0', '1', 'mean'] and all(len(r) == 3 for r in rows)
+    assert all(0 < float(v) <= 8 for r in rows for v in r[1:])
+    assert out.read_bytes()[:4] == b'\x89PNG'
+
+
+def test_lipschitz_table_per_block(capsys):
+    assert _cli('lipschitz', 'iffn_deit_tiny_patch16_224', '--model-kwargs', TINY, '--num-images', '2',
+                '--blocks', '1', '--no-plot') == 0
+    rows = _rows(capsys.readouterr().out, 'blocks.')
+    assert len(rows) == 1 and rows[0][:2] == ['blocks.1.mlp', 'IFFN']
+    naive, sdp, low = (float(v) for v in rows[0][2:5])
+    assert low <= sdp <= naive
+
+
+def test_breakdown_puts_the_deployed_repa_model_beside_it(capsys):
+    assert _cli('breakdown', 'repa_deit_tiny_patch16_224', '--model-kwargs', TINY, '--deploy', '--repeats', '2',
+                '--warmup', '1', '--no-plot') == 0
+    rows = _rows(capsys.readouterr().out, 'repa_')
+    assert [r[0] for r in rows] == ['repa_deit_tiny_patch16_224'] * 2 and rows[1][1] == '(deployed)'
+
+
+@pytest.mark.slow  # decodes the 10,000 CIFAR-10 test images (~15 s here)
+@pytest.mark.skipif(not (SHARED_DATA / 'cifar10').is_dir(), reason='needs the shared CIFAR-10 shards')
+def test_gradcam_on_real_images(tmp_path, capsys):
+    out = tmp_path / 'g.png'
+    assert _cli('gradcam', 'deit_tiny_patch16_224', '--model-kwargs', TINY, '--data', str(SHARED_DATA / 'cifar10'),
+                '--num-images', '2', '--out', str(out)) == 0
+    rows = _rows(capsys.readouterr().out, 'deit_tiny')
+    assert len(rows) == 2 and all(r[-3:-1] == ['32', '32'] for r in rows)
+    assert out.is_file()
+
+
+def test_errors_are_clear(tmp_path):
+    with pytest.raises(CliError, match='2 models but 1 checkpoints'):
+        _cli('entropy', 'deit_tiny_patch16_224', 'deit_small_patch16_224', '--checkpoint', 'a.pth', '--no-plot')
+    with pytest.raises(CliError, match='no such file'):
+        _cli('entropy', 'deit_tiny_patch16_224', '--checkpoint', str(tmp_path / 'x.pth'), '--no-plot')
+    bad = tmp_path / 'w.pth'
+    torch.save({'weight': torch.zeros(2)}, bad)
+    with pytest.raises(CliError, match='cannot load'):
+        _cli('entropy', 'deit_tiny_patch16_224', '--checkpoint', str(bad), '--no-plot')
+    with pytest.raises(CliError, match='no such file'):
+        _cli('entropy', 'deit_tiny_patch16_224', '--model-kwargs', TINY, '--data', str(tmp_path / 'none'), '--no-plot')
+    with pytest.raises(SystemExit):  # argparse: not a YAML mapping
+        _cli('entropy', 'deit_tiny_patch16_224', '--model-kwargs', '[1, 2]')

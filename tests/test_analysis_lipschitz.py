@@ -1,0 +1,93 @@
+"""Lipschitz bounds of an FFN (IFFN Theorem 4.3): exact cases, ordering lower <= SDP <= naive."""
+import math
+
+import numpy as np
+import pytest
+import timm
+import torch
+
+pytest.importorskip('cvxpy')
+from vitblocks.analysis.lipschitz import (agelu_slopes, ffn_lipschitz, jacobian_norm_lower_bound,  # noqa: E402
+                                          model_lipschitz, sdp_lipschitz_bound, slope_range)
+from vitblocks.layers import IFFN  # noqa: E402
+
+
+@pytest.mark.parametrize('base', ['gelu', 'silu', 'relu', 'elu', 'softplus'])
+def test_slope_range_brackets_the_derivative(base):
+    from vitblocks.layers.activations import BASE_ACTIVATIONS
+    x = torch.linspace(-8, 8, 100001, dtype=torch.float64, requires_grad=True)
+    (d,) = torch.autograd.grad(BASE_ACTIVATIONS[base](x).sum(), x)
+    p, q = slope_range(base)
+    assert p <= d.min().item() + 1e-9 and d.max().item() <= q + 1e-9
+    assert d.min().item() == pytest.approx(p, abs=2e-3) and d.max().item() == pytest.approx(q, abs=2e-3)
+    if base == 'gelu':  # closed form at +-sqrt(2)
+        assert (p, q) == pytest.approx((-0.128904145, 1.128904145), abs=1e-8)
+
+
+def test_agelu_slopes_scale_by_alpha_beta_and_swap_when_negative():
+    p, q = agelu_slopes(torch.tensor([2.0, -1.0, 0.5]), torch.tensor([1.0, 1.0, -3.0]))
+    p0, q0 = slope_range('gelu')
+    np.testing.assert_allclose(p, [2 * p0, -q0, -1.5 * q0])
+    np.testing.assert_allclose(q, [2 * q0, -p0, -1.5 * p0])
+
+
+def test_sdp_is_exact_for_a_single_linear_layer():
+    w = np.random.default_rng(0).normal(size=(6, 5))
+    exact = np.linalg.norm(w, 2)
+    # W after a ReLU (slopes [0, 1]): L = ||W|| exactly, attained by the SDP at T = ||W||^2 I
+    assert sdp_lipschitz_bound(np.eye(5), w, np.zeros(5), np.ones(5), solver='CLARABEL') == pytest.approx(exact, rel=1e-6)
+    # x -> W x as W1 phi(W0 x) with phi = identity (slopes [1, 1]): the SDP's infimum is ||W|| but is
+    # approached only as T -> infinity, so the solver gets within its tolerance
+    assert sdp_lipschitz_bound(w, np.eye(6), np.ones(6), np.ones(6), solver='CLARABEL') == pytest.approx(exact, rel=1e-3)
+
+
+def test_sdp_rejects_shapes_that_do_not_chain():
+    with pytest.raises(ValueError, match='shapes do not chain'):
+        sdp_lipschitz_bound(np.eye(4), np.eye(3), np.zeros(4), np.ones(4))
+
+
+def test_power_iteration_finds_the_exact_jacobian_norm():
+    torch.manual_seed(0)
+    w = torch.randn(7, 5, dtype=torch.float64)
+    f = lambda x: torch.tanh(x) @ w.t()  # (B, 5) -> (B, 7), row-wise
+    x = torch.randn(3, 5, dtype=torch.float64)
+    got = jacobian_norm_lower_bound(f, x, iters=200)
+    exact = torch.stack([torch.linalg.matrix_norm(w * (1 - torch.tanh(xi) ** 2), ord=2) for xi in x])
+    torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=0)
+
+
+def _trained_like_iffn():
+    torch.manual_seed(0)
+    ffn = IFFN(8, 32, grid_size=(2, 2), num_prefix_tokens=1).double().eval()
+    with torch.no_grad():  # AGeLU parameters away from their init, some slopes negative
+        for p in (ffn.act.alpha, ffn.act.beta):
+            p.copy_(torch.randn_like(p))
+        ffn.act.gamma.normal_()
+        for m in (ffn.fc1, ffn.fc2):
+            m.weight.normal_(0, 0.3)
+    return ffn
+
+
+def test_iffn_bounds_are_ordered_and_name_what_the_theorem_leaves_out():
+    ffn = _trained_like_iffn()
+    r = ffn_lipschitz(ffn, torch.randn(6, 5, 8), solver='SCS')
+    assert r.kind == 'IFFN' and r.slope_min < 0
+    assert r.empirical <= r.sdp * (1 + 1e-6) and r.sdp < r.naive
+    assert 0.3 * r.sdp < r.empirical  # the bound is not vacuous on this small layer
+    assert 'LayerNorm' in r.note and 'depthwise' in r.note
+    assert r.module_empirical > 0
+
+
+def test_model_lipschitz_per_block_and_unsupported_ffns():
+    torch.manual_seed(0)
+    kw = dict(img_size=16, patch_size=8, depth=2, embed_dim=8, num_heads=2, mlp_ratio=2, num_classes=3)
+    rows = model_lipschitz(timm.create_model('deit_tiny_patch16_224', **kw), torch.randn(2, 3, 16, 16))
+    assert [r.name for r in rows] == ['blocks.0.mlp', 'blocks.1.mlp']
+    for r in rows:  # a timm Mlp is the theorem's f exactly: nothing left out
+        assert r.empirical <= r.sdp * (1 + 1e-6) <= r.naive * (1 + 1e-6)
+        assert r.note == 'theorem holds for the whole module'
+        assert r.module_empirical == pytest.approx(r.empirical, rel=0.05)  # same function, per image vs per token
+    afbo = model_lipschitz(timm.create_model('afbo_deit_tiny_patch16_224', **kw), torch.randn(1, 3, 16, 16), blocks=[1])
+    assert len(afbo) == 1 and afbo[0].sdp is None and 'not of the form' in afbo[0].note
+    with pytest.raises(ValueError, match='out of range'):
+        model_lipschitz(timm.create_model('deit_tiny_patch16_224', **kw), torch.randn(1, 3, 16, 16), blocks=[5])
