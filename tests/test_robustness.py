@@ -301,3 +301,11 @@ def test_train_from_initial_checkpoint_and_export_it(data, run_dir, tmp_path, ca
     assert 'input 2x3x8x8' in out and f'weights {tmp_path / "ft" / "last.pth"}' in out
     traced = torch.jit.load(str(tmp_path / 'ft.pt'))
     assert traced(torch.zeros(1, 3, 8, 8)).shape == (1, 6)
+
+
+def test_analyze_reads_checkpoints_through_the_checked_loader(tmp_path, capsys):
+    """Point 7: an empty checkpoint to `analyze` is one line (it loads with weights_only via read_checkpoint)."""
+    empty = tmp_path / 'empty.pth'
+    empty.write_bytes(b'')
+    code, _, err = run_cli(capsys, 'analyze', 'collapse', 'deit_tiny_patch16_224', '--checkpoint', empty)
+    assert_one_line(code, err, 'empty file')
