@@ -90,6 +90,10 @@ def test_every_table1_backbone_timm_has_is_registered():
         'vit_huge_patch16_224', 'swin_tiny_patch4_window7_224', 'swin_small_patch4_window7_224',
         'swin_base_patch4_window7_224', 'poolformer_s12', 'poolformer_s24', 'poolformer_s36', 'poolformer_m36',
         'poolformer_m48', 'mixer_b16_224', 'mixer_l16_224', 'lvvit_s', 'lvvit_m')}
+    # the authors' RePaViT architecture, for their released checkpoints (tests/test_authors_checkpoints.py)
+    expected |= {f'repa_prenorm_{b}' for b in ('deit_tiny_patch16_224', 'deit_small_patch16_224',
+                                               'deit_base_patch16_224', 'vit_large_patch16_224',
+                                               'vit_huge_patch16_224')}
     assert set(REPA_MODELS) == expected
     huge = get_variant('repa_vit_huge_patch16_224')
     assert huge.base == 'vit_huge_patch14_224' and huge.base_kwargs == {'patch_size': 16}
