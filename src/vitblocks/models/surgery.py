@@ -23,7 +23,7 @@ extra argument before the FFN sees it; timm's own ``MlpWithDepthwiseConv`` still
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
-from torch.fx._symbolic_trace import is_fx_tracing
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from timm.models.gcvit import GlobalContextVit
 from timm.models.metaformer import MetaFormer
 from timm.models.mlp_mixer import MlpMixer
@@ -49,7 +49,7 @@ def _tracing_symbolically() -> bool:
     graph. The hooks then leave the layout as the last eager forward (or the build) set it, so a traced
     model runs at that input size; the spatial layers are FX leaves (``vitblocks.layers``) whose
     ``check_grid`` names any mismatch."""
-    return is_fx_tracing()
+    return is_fx_symbolic_tracing()  # not is_fx_tracing(): that one logs a deprecation warning per process
 
 
 def _track_patch_grid(patch_embed: nn.Module, args, output: torch.Tensor) -> None:
