@@ -27,6 +27,8 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from .components import eval_forward_with_hooks
+
 __all__ = ['BlockNorms', 'CollapseReport', 'residual_growth', 'plot_residual_growth', 'BlockDivergence',
            'sequential_vs_parallel', 'plot_divergence']
 
@@ -120,14 +122,7 @@ def residual_growth(model: nn.Module, inputs: torch.Tensor, name: str = '') -> C
     for i, blk in enumerate(blocks):
         handles += [blk.register_forward_pre_hook(keep_input(i)), blk.ls1.register_forward_hook(keep(i, 'attn')),
                     blk.ls2.register_forward_hook(keep(i, 'mlp')), blk.register_forward_hook(finish(i))]
-    was_training = model.training
-    model.eval()
-    try:
-        model(inputs)
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
+    eval_forward_with_hooks(model, inputs, handles)
     return CollapseReport(model=name or type(model).__name__, input_shape=tuple(inputs.shape), blocks=results)
 
 
@@ -208,15 +203,7 @@ def sequential_vs_parallel(model: nn.Module, inputs: torch.Tensor) -> List[Block
                                            _token_norm(seq - x).item()))
         return hook
 
-    handles = [blk.register_forward_hook(measure(i)) for i, blk in enumerate(blocks)]
-    was_training = model.training
-    model.eval()
-    try:
-        model(inputs)
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
+    eval_forward_with_hooks(model, inputs, [blk.register_forward_hook(measure(i)) for i, blk in enumerate(blocks)])
     return results
 
 

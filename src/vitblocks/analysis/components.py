@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-__all__ = ['COMPONENTS', 'component_of', 'component_modules', 'find_blocks', 'ffn_modules']
+__all__ = ['COMPONENTS', 'component_of', 'component_modules', 'find_blocks', 'ffn_modules', 'eval_forward_with_hooks']
 
 COMPONENTS = ('patch embed', 'token mixer', 'ffn', 'norm', 'head')
 
@@ -63,3 +63,15 @@ def ffn_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """``(name, ffn)`` of the FFN (channel MLP) of every block, in forward order."""
     return [(f'{n}.{attr}', getattr(b, attr)) for n, b in find_blocks(model)
             for attr in ('mlp', 'mlp_channels') if isinstance(getattr(b, attr, None), nn.Module)]
+
+
+def eval_forward_with_hooks(model: nn.Module, inputs, handles):
+    """One eval-mode forward of ``model`` on ``inputs`` with the hooks ``handles`` installed; afterwards,
+    whatever happens, the hooks are removed and the model's training mode is restored."""
+    was_training = model.training
+    try:
+        return model.eval()(inputs)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()

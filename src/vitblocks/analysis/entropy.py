@@ -17,7 +17,7 @@ from typing import List, Sequence, Union
 import torch
 from torch import nn
 
-from .components import find_blocks
+from .components import eval_forward_with_hooks, find_blocks
 
 __all__ = ['feature_entropy', 'BlockEntropy', 'EntropyReport', 'block_entropy', 'plot_entropy']
 
@@ -82,14 +82,7 @@ def block_entropy(model: nn.Module, images: torch.Tensor, name: str = '', bins: 
             report.blocks.append(BlockEntropy(i, bname, h.mean().item(), h.min().item(), h.max().item()))
         return fn
 
-    handles = [b.register_forward_hook(hook(i, n)) for i, (n, b) in enumerate(blocks)]
-    was_training = model.training
-    try:
-        model.eval()(images)
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
+    eval_forward_with_hooks(model, images, [b.register_forward_hook(hook(i, n)) for i, (n, b) in enumerate(blocks)])
     return report
 
 

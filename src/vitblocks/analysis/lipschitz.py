@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..layers.activations import BASE_ACTIVATIONS, get_base_activation
-from .components import ffn_modules
+from .components import eval_forward_with_hooks, ffn_modules
 
 __all__ = ['slope_range', 'agelu_slopes', 'sdp_lipschitz_bound', 'jacobian_norm_lower_bound', 'AffnForm',
            'affn_form', 'FfnLipschitz', 'ffn_lipschitz', 'capture_inputs', 'model_lipschitz']
@@ -232,14 +232,8 @@ def _module_jacobian_lower_bound(ffn: nn.Module, tokens: torch.Tensor, iters: in
 def capture_inputs(model: nn.Module, modules: Sequence[Tuple[str, nn.Module]], images: torch.Tensor):
     """``{name: first positional input}`` of each module during one eval forward of ``model``."""
     seen = {}
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.__setitem__(n, args[0])) for n, m in modules]
-    was_training = model.training
-    try:
-        model.eval()(images)
-    finally:
-        model.train(was_training)
-        for h in handles:
-            h.remove()
+    eval_forward_with_hooks(model, images, [m.register_forward_pre_hook(lambda mod, args, n=n: seen.__setitem__(n, args[0]))
+                                            for n, m in modules])
     return seen
 
 
