@@ -1,5 +1,5 @@
 """Training at scale, rehearsed on this CPU: SyncBatchNorm conversion of vitblocks' BatchNorms,
-gradient accumulation, resume=auto, a longer schedule on resume, and (slow) 2-process gloo runs:
+gradient accumulation, resume=auto, a longer schedule and a plateau schedule's counters on resume, and (slow) 2-process gloo runs:
 BatchNorm statistics averaged across ranks, a 2 -> 1 process resume, a checkpoint missing on one
 rank, and a SIGKILLed rank restarted by torchrun."""
 import copy
@@ -109,6 +109,20 @@ def test_resume_with_more_epochs_follows_the_longer_schedule(data, tmp_path):
     assert want[12] > 1e-4  # mid-schedule: well above min_lr
     for step in range(9, 25):
         assert got[step] == pytest.approx(want[step], rel=1e-9)
+
+
+def test_plateau_resumed_mid_run_keeps_its_counters(data, tmp_path):
+    # lr 1e-6 leaves the test top-1 flat: epoch 1 sets the best, then every second epoch (num_bad_epochs >
+    # patience) halves the lr: after epochs 3 and 5 uninterrupted. Killed in epoch 5 (step 36), the resumed run must remember that epoch 4 was
+    # already a bad one (num_bad_epochs=1, best); with fresh counters epoch 5 would count as an improvement.
+    kw = dict(sched='plateau', patience_epochs=1, decay_rate=0.5, lr=1e-6, epochs=6)
+    straight = train(_cfg(data, tmp_path, name='straight', **kw))
+    first = train(_cfg(data, tmp_path, max_steps=36, **kw))
+    assert load_checkpoint(first.run_dir / 'last.pth')['scheduler']['plateau']['num_bad_epochs'] == 1
+    resumed = train(_cfg(data, tmp_path, **kw), resume=first.run_dir)
+    want, got = _lrs(straight.run_dir), _lrs(resumed.run_dir)
+    assert [want[s] for s in (24, 25, 40, 41, 48)] == pytest.approx([1e-6, 5e-7, 5e-7, 2.5e-7, 2.5e-7], rel=1e-9)
+    assert got == want  # every step, the part before the resume included
 
 
 def test_resume_auto_starts_then_resumes_and_checks_the_config(data, tmp_path):

@@ -90,7 +90,8 @@ class TrainConfig:
     warmup_lr: float = 1e-6
     min_lr: float = 0.0
     decay_epochs: float = 30        # 'step' scheduler
-    decay_rate: float = 0.1
+    decay_rate: float = 0.1         # 'step' and 'plateau' schedulers
+    patience_epochs: int = 10       # 'plateau': evaluated epochs without a better val top-1 before decaying
     model_ema: bool = False
     model_ema_decay: float = 0.9998
     model_ema_warmup: bool = False

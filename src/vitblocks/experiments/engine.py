@@ -22,7 +22,6 @@ import torch.distributed as dist
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
-from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad
 from torch import nn
 
@@ -35,6 +34,7 @@ from .evaluate import EvalResult, evaluate
 from .interrupt import StopRequest, TrainingInterrupted
 from .resume import auto_resume_checkpoint, load_on_every_rank
 from .runlog import MetricsLog, Progress, remove_stale_temporaries
+from .schedule import build_scheduler, restore_scheduler, scheduler_state
 from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader,
                     resolve_device, setup_data)
 
@@ -131,12 +131,7 @@ class Trainer:
             opt_kwargs['betas'] = tuple(cfg.opt_betas)
         self.optimizer = create_optimizer_v2(self.model, opt=cfg.opt, lr=self.lr, weight_decay=cfg.weight_decay,
                                              momentum=cfg.momentum, **opt_kwargs)
-        self.scheduler = None
-        if cfg.sched != 'none':
-            self.scheduler, _ = create_scheduler_v2(
-                self.optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
-                warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, decay_epochs=cfg.decay_epochs, decay_rate=cfg.decay_rate,
-                step_on_epochs=False, updates_per_epoch=self.steps_per_epoch)
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.steps_per_epoch)
         self.ema = ModelEmaV3(self.model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup) \
             if cfg.model_ema else None
 
@@ -241,10 +236,9 @@ class Trainer:
         else:  # a process the saved run did not have: a fresh seed of its own
             seed_everything(derive_seed(self.cfg.seed, self.dist.rank, self.global_step), self.cfg.deterministic,
                             self.device)
-        if self.scheduler is not None:
-            # the schedule comes from this run's config (a changed epochs count lengthens it); only its
-            # position is restored, so a resumed run does not finish the old, shorter schedule at min_lr
-            self.scheduler.step_update(num_updates=self.global_step)
+        # the schedule's shape comes from this run's config (a changed epochs count lengthens it, instead of
+        # the added epochs running at min_lr); its state (the step, plateau's counters) from the checkpoint
+        restore_scheduler(self.scheduler, ckpt.get('scheduler'), self.global_step)
         if self.log is not None and saved_batch == self.global_batch:
             self.log.truncate_after(self.global_step)
 
@@ -256,7 +250,7 @@ class Trainer:
             dist.all_gather_object(states, rng_state())
         return {
             'model': self.model.state_dict(), 'optimizer': self.optimizer.state_dict(),
-            'scheduler': self.scheduler.state_dict() if self.scheduler is not None else None,
+            'scheduler': scheduler_state(self.scheduler),
             'model_ema': self.ema.module.state_dict() if self.ema is not None else None,
             'scaler': self.scaler.state_dict() if self.scaler is not None else None,
             'rng': states, 'global_batch': self.global_batch,
@@ -370,11 +364,12 @@ class Trainer:
         evaluated = (None, None)
         if done_epoch:
             self.epoch, self.epoch_step = self.epoch + 1, 0
-            if self.scheduler is not None:
-                self.scheduler.step(self.epoch)
         if (done_epoch and self.epoch % cfg.eval_interval == 0) or self.global_step >= self.total_steps \
                 or self.epoch >= cfg.epochs:
             evaluated = self._evaluate()
+        if done_epoch and self.scheduler is not None:
+            # per-update schedules ignore this; plateau counts a completed epoch's top-1 (None: not evaluated)
+            self.scheduler.step(self.epoch, evaluated[0].top1 if evaluated[0] is not None else None)
         self.save()
         return evaluated
 
