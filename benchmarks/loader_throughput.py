@@ -8,6 +8,11 @@
   (``ShardDataset(in_memory=False)``) through timm's training transform (RandomResizedCrop 224,
   flip, normalize) in ``PILLoader`` with 0, 1, 2 worker processes.
 
+``--pil-batches float,uint8``: the PIL rows run once per batch type: ``float`` (workers
+normalize, float32 batches) and ``uint8`` (workers return uint8, ``PILLoader(normalize=...)``
+normalizes in the main process / on the device: 4x less shared memory). Code older than the uint8
+option takes ``--pil-batches float`` only.
+
 Each setting runs ``--repeats`` epochs after one warm-up epoch; we report the median images/s
 (wall clock, the whole epoch: reading, decoding, augmenting, collating). Compare two versions
 of the code by running this script with each on PYTHONPATH (it uses only APIs both have):
@@ -53,6 +58,15 @@ def write_jpeg_shards(folder: Path, n: int, per_shard: int, size, gz: bool, seed
     return folder
 
 
+def pil_loader(ds, batch_size, input_size, mean, std, kind, workers, **augment):
+    """A training PILLoader: float batches (workers normalize) or uint8 batches (normalized by the loader)."""
+    if kind == 'float':  # the call older code also takes
+        return PILLoader(ds, EpochOrder(len(ds), batch_size), build_pil_transform(input_size, mean, std, training=True,
+                                                                                  **augment), workers=workers)
+    tf = build_pil_transform(input_size, mean, std, training=True, uint8=True, **augment)
+    return PILLoader(ds, EpochOrder(len(ds), batch_size), tf, workers=workers, normalize=(mean, std))
+
+
 def time_epochs(loader, repeats: int) -> list:
     rates = []
     for epoch in range(repeats + 1):  # the first pass warms up (worker start, page cache)
@@ -70,7 +84,11 @@ def main(argv=None):
     p.add_argument('--imagenet-images', type=int, default=256)
     p.add_argument('--workers', default='0,1,2')
     p.add_argument('--threads', type=int, default=1)
+    p.add_argument('--pil-batches', default='float,uint8', help='PILLoader batch types to time: float, uint8')
     args = p.parse_args(argv)
+    kinds = args.pil_batches.split(',')
+    if not kinds or set(kinds) - {'float', 'uint8'}:
+        p.error(f'--pil-batches {args.pil_batches}: expected a comma-separated list of float, uint8')
     torch.set_num_threads(args.threads)
     print(f'torch {torch.__version__}, {args.threads} thread(s), median of {args.repeats} epochs after 1 warm-up; '
           f'images/s, whole epoch')
@@ -87,21 +105,22 @@ def main(argv=None):
               f'{statistics.median(rates):10.0f} images/s')
         # the same images through timm's per-sample PIL transforms: per-sample overhead shows here
         small = cifar.subset(range(2000))
-        tf = build_pil_transform((3, 32, 32), (0.5,) * 3, (0.25,) * 3, training=True, hflip=0.5, crop_padding=4)
-        rates = time_epochs(PILLoader(small, EpochOrder(len(small), 128), tf, workers=0), args.repeats)
-        print(f'CIFAR-like, in memory, {len(small)} images, PILLoader workers=0, crop+flip per sample: '
-              f'{statistics.median(rates):10.0f} images/s')
+        for kind in kinds:
+            loader = pil_loader(small, 128, (3, 32, 32), (0.5,) * 3, (0.25,) * 3, kind, 0, hflip=0.5, crop_padding=4)
+            rates = time_epochs(loader, args.repeats)
+            print(f'CIFAR-like, in memory, {len(small)} images, PILLoader {kind} batches, workers=0, crop+flip per '
+                  f'sample: {statistics.median(rates):10.0f} images/s')
 
         folder = write_jpeg_shards(tmp / 'imagenet', args.imagenet_images, 32, (375, 500), gz=False)
         ds = ShardDataset(str(folder), 'train', in_memory=False)
-        tf = build_pil_transform((3, 224, 224), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), training=True,
-                                 hflip=0.5, scale=(0.08, 1.0), interpolation='bilinear')
-        for workers in (int(w) for w in args.workers.split(',')):
-            loader = PILLoader(ds, EpochOrder(len(ds), 32), tf, workers=workers)
-            rate = statistics.median(time_epochs(loader, args.repeats))
-            per = f'{rate / workers:8.1f} per worker' if workers else ''
-            print(f'ImageNet-like 500x375 JPEG, indexed .tar ({len(ds)} images, {len(ds) // 32} shards), PILLoader '
-                  f'RandomResizedCrop 224, workers={workers}: {rate:8.1f} images/s {per}')
+        for kind in kinds:
+            for workers in (int(w) for w in args.workers.split(',')):
+                loader = pil_loader(ds, 32, (3, 224, 224), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), kind,
+                                    workers, hflip=0.5, scale=(0.08, 1.0), interpolation='bilinear')
+                rate = statistics.median(time_epochs(loader, args.repeats))
+                per = f'{rate / workers:8.1f} per worker' if workers else ''
+                print(f'ImageNet-like 500x375 JPEG, indexed .tar ({len(ds)} images, {len(ds) // 32} shards), '
+                      f'PILLoader {kind} batches, RandomResizedCrop 224, workers={workers}: {rate:8.1f} images/s {per}')
     return 0
 
 

@@ -1,5 +1,6 @@
 """Training at scale, rehearsed on this CPU: SyncBatchNorm conversion of vitblocks' BatchNorms,
-gradient accumulation, resume=auto, a longer schedule and a plateau schedule's counters on resume, and (slow) 2-process gloo runs:
+gradient accumulation, uint8 batches from the PIL pipeline, resume=auto, a longer schedule and a plateau
+schedule's counters on resume, and (slow) 2-process gloo runs:
 BatchNorm statistics averaged across ranks, a 2 -> 1 process resume, a checkpoint missing on one
 rank, and a SIGKILLed rank restarted by torchrun."""
 import copy
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 import vitblocks  # noqa: F401  (registers the models)
+from vitblocks.data import EpochOrder, PILLoader, build_dataset, build_pil_transform
 from vitblocks.experiments import merge, train
 from vitblocks.experiments.checkpoint import load_checkpoint
 from vitblocks.experiments.config import ConfigError
@@ -123,6 +125,50 @@ def test_plateau_resumed_mid_run_keeps_its_counters(data, tmp_path):
     want, got = _lrs(straight.run_dir), _lrs(resumed.run_dir)
     assert [want[s] for s in (24, 25, 40, 41, 48)] == pytest.approx([1e-6, 5e-7, 5e-7, 2.5e-7, 2.5e-7], rel=1e-9)
     assert got == want  # every step, the part before the resume included
+
+
+def _worker_batch(loader: PILLoader) -> torch.Tensor:
+    """The first images batch of epoch 0 as the DataLoader's workers hand it over."""
+    loader.set_epoch(0)
+    return next(iter(loader.dataloader))[0]
+
+
+@pytest.mark.parametrize('kw', [dict(crop_padding=2, hflip=0.5, auto_augment='rand-m9'),        # our resize path
+                                dict(scale=[0.5, 1.0], ratio=[0.75, 1.33], color_jitter=0.4),  # timm create_transform
+                                dict(training=False)], ids=['resize', 'timm', 'eval'])
+def test_uint8_pil_batches_equal_the_float_pipeline_in_a_quarter_of_the_bytes(data, kw):
+    ds = build_dataset(str(data), 'train')
+    kw = {'training': True, **kw}
+    mean, std = (0.3, 0.4, 0.5), (0.2, 0.25, 0.3)
+    order = EpochOrder(len(ds), 16, seed=3, shuffle=kw['training'])
+    floats = PILLoader(ds, order, build_pil_transform((3, 8, 8), mean, std, **kw))
+    uint8 = PILLoader(ds, order, build_pil_transform((3, 8, 8), mean, std, uint8=True, **kw), normalize=(mean, std))
+    for epoch in (0, 1):
+        for (xf, yf), (xu, yu) in zip(floats.epoch(epoch), uint8.epoch(epoch), strict=True):
+            assert xu.dtype == torch.float32 and torch.equal(yf, yu)
+            torch.testing.assert_close(xu, xf)  # float32 rounding: (x - 255 m) / (255 s) vs (x / 255 - m) / s
+    # what the workers hand over (shared memory, pinned memory, the host-to-device copy): uint8, 4x fewer bytes
+    raw = [_worker_batch(loader) for loader in (floats, uint8)]
+    assert raw[0].dtype == torch.float32 and raw[1].dtype == torch.uint8 and raw[1].shape == raw[0].shape
+    assert raw[0].nbytes == 4 * raw[1].nbytes == 4 * 16 * 3 * 8 * 8
+
+
+def test_uint8_batches_in_training_runs_and_their_option_errors(data):
+    from vitblocks.experiments.setup import make_loader, setup_data
+    model = timm.create_model('vit_tiny_patch16_224', num_classes=4, **TINY_VIT)
+    cfg = _cfg(data, '/nonexistent', pipeline='pil', reprob=1.0, remode='const')
+    loader = make_loader(cfg, setup_data(cfg, model), True, torch.device('cpu'))
+    assert len(loader) == 8 and _worker_batch(loader).dtype == torch.uint8
+    x, _ = next(loader.epoch(0))
+    # reprob=1: timm's RandomErasing erased (zeroed, remode=const) a box of every image, on the device, after
+    # normalization (a normalized image of class-brightness pixels has no exact zeros otherwise)
+    assert all((img == 0).all(0).any() for img in x)
+    cfg = _cfg(data, '/nonexistent', pipeline='pil', uint8_batches=False)
+    assert _worker_batch(make_loader(cfg, setup_data(cfg, model), True, torch.device('cpu'))).dtype == torch.float32
+    with pytest.raises(ConfigError, match='uint8_batches=false: the tensor pipeline always moves uint8'):
+        setup_data(_cfg(data, '/nonexistent', pipeline='tensor', uint8_batches=False), model)
+    with pytest.raises(ValueError, match='erase acts on batches normalized on the device'):
+        PILLoader(build_dataset(str(data), 'train'), EpochOrder(64, 8), lambda img: img, erase=lambda x: x)
 
 
 def test_resume_auto_starts_then_resumes_and_checks_the_config(data, tmp_path):

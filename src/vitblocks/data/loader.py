@@ -4,12 +4,12 @@
 like ``DistributedSampler``). ``TensorLoader`` slices batches straight out of a dataset held in
 memory as uint8 and augments them batched (no per-sample Python work); ``PILLoader`` runs
 timm's per-sample PIL transforms in DataLoader workers, seeding every sample's augmentation
-from (seed, epoch, index). Both start an epoch at any step, which is how ``--resume``
+from (seed, epoch, index), and (by default in training runs) hands uint8 batches to the device. Both start an epoch at any step, which is how ``--resume``
 continues mid-epoch without replaying or skipping data.
 """
 import math
 import random
-from typing import Callable, Iterator, List, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -134,25 +134,52 @@ class _EpochBatches:
 
 class PILLoader:
     """timm's per-sample PIL transforms in a DataLoader (``workers`` processes, started once and kept
-    across epochs: ``persistent_workers``)."""
+    across epochs: ``persistent_workers``).
+
+    ``normalize=(mean, std)``: ``transform`` returns uint8 tensors (``build_pil_transform(uint8=True)``),
+    so workers hand over a quarter of the bytes of float32 batches (shared memory, pinned memory,
+    host-to-device copy); timm's ``PrefetchLoader`` converts them to float and normalizes them on
+    ``device`` (on CUDA overlapping the copy of the next batch), then ``erase`` (timm's
+    ``RandomErasing``) runs on the batch as each batch is consumed, drawing from the training process's
+    RNGs (checkpointed, so resume stays exact: drawn at prefetch time, one batch ahead, they would not
+    be). ``normalize=None``: ``transform`` returns normalized float tensors (and erases per sample).
+    """
 
     def __init__(self, dataset: ImageDataset, order: EpochOrder, transform: Callable, workers: int = 0,
-                 device: torch.device = torch.device('cpu')):
-        self.samples, self.order, self.workers, self.device = _SeededSamples(dataset, transform), order, workers, device
-        self._sampler, self._loader = _EpochBatches(), None
+                 device: torch.device = torch.device('cpu'),
+                 normalize: Optional[Tuple[Sequence[float], Sequence[float]]] = None,
+                 erase: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        if erase is not None and normalize is None:
+            raise ValueError('erase acts on batches normalized on the device; without normalize the transform '
+                             'erases per sample')
+        self.order, self.device, self.erase = order, device, erase
+        self._sampler = _EpochBatches()
+        # built once (workers start at the first pass and persist); the raw uint8/float batches of the workers
+        self.dataloader = DataLoader(_SeededSamples(dataset, transform), batch_sampler=self._sampler,
+                                     num_workers=workers, pin_memory=device.type == 'cuda',
+                                     persistent_workers=workers > 0, generator=torch.Generator().manual_seed(0))
+        self._on_device = None
+        if normalize is not None:
+            from timm.data.loader import PrefetchLoader
+            mean, std = normalize
+            self._on_device = PrefetchLoader(self.dataloader, mean=tuple(mean), std=tuple(std), channels=len(mean),
+                                             device=device)
 
     def __len__(self) -> int:
         return self.order.batches_per_epoch
 
+    def set_epoch(self, epoch: int, start: int = 0) -> int:
+        """Point the DataLoader at ``epoch``'s batches from step ``start``; returns how many there are."""
+        self._sampler.batches = [[(int(i), derive_seed(self.order.seed, epoch, int(i), 2)) for i in idx]
+                                 for idx in self.order.batches(epoch, start)]
+        return len(self._sampler.batches)
+
     def epoch(self, epoch: int, start: int = 0) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        batches = [[(int(i), derive_seed(self.order.seed, epoch, int(i), 2)) for i in idx]
-                   for idx in self.order.batches(epoch, start)]
-        if not batches:
+        if not self.set_epoch(epoch, start):
             return
-        self._sampler.batches = batches
-        if self._loader is None:
-            self._loader = DataLoader(self.samples, batch_sampler=self._sampler, num_workers=self.workers,
-                                      pin_memory=self.device.type == 'cuda', persistent_workers=self.workers > 0,
-                                      generator=torch.Generator().manual_seed(0))
-        for x, y in self._loader:
-            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if self._on_device is None:
+            for x, y in self.dataloader:
+                yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            return
+        for x, y in self._on_device:
+            yield (self.erase(x) if self.erase is not None else x), y

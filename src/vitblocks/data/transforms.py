@@ -109,11 +109,15 @@ def build_pil_transform(input_size: Sequence[int], mean: Sequence[float], std: S
                         hflip: float = 0.5, vflip: float = 0.0, scale: Optional[Tuple[float, float]] = None,
                         ratio: Optional[Tuple[float, float]] = None, color_jitter: Optional[float] = None,
                         auto_augment: Optional[str] = None, interpolation: str = 'bicubic', reprob: float = 0.0,
-                        remode: str = 'pixel', recount: int = 1, crop_pct: float = 1.0, crop_padding: int = 0):
+                        remode: str = 'pixel', recount: int = 1, crop_pct: float = 1.0, crop_padding: int = 0,
+                        uint8: bool = False):
     """timm's ``create_transform`` for PIL images, after converting them to the model's channels.
 
     Training without ``scale`` resizes to ``input_size`` (plus ``crop_padding`` random crop)
     instead of timm's RandomResizedCrop, the usual setting for MNIST/CIFAR-sized data.
+
+    ``uint8``: end with a ``(C, H, W)`` uint8 tensor, neither normalized nor randomly erased
+    (timm's ``use_prefetcher`` form); the loader does both on the device (``PILLoader(normalize=...)``).
     """
     from timm.data import create_transform
     from torchvision import transforms as T
@@ -131,6 +135,9 @@ def build_pil_transform(input_size: Sequence[int], mean: Sequence[float], std: S
             from timm.data.auto_augment import rand_augment_transform
             steps.append(rand_augment_transform(auto_augment, {'translate_const': int(size[0] * 0.45),
                                                                'img_mean': tuple(round(255 * m) for m in mean)}))
+        if uint8:
+            from timm.data.transforms import MaybePILToTensor
+            return T.Compose(steps + [MaybePILToTensor()])
         steps += [T.ToTensor(), T.Normalize(mean, std)]
         if reprob:
             from timm.data.random_erasing import RandomErasing
@@ -139,7 +146,7 @@ def build_pil_transform(input_size: Sequence[int], mean: Sequence[float], std: S
     tf = create_transform(input_size=size, is_training=training, scale=scale, ratio=ratio, hflip=hflip, vflip=vflip,
                           color_jitter=color_jitter or 0.0, auto_augment=auto_augment, interpolation=interpolation,
                           mean=tuple(mean), std=tuple(std), re_prob=reprob, re_mode=remode, re_count=recount,
-                          crop_pct=crop_pct)
+                          crop_pct=crop_pct, use_prefetcher=uint8)
     return T.Compose([_ConvertMode(mode), tf])
 
 

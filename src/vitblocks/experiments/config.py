@@ -55,6 +55,7 @@ class TrainConfig:
     std: Union[str, List[float]] = 'model'
     interpolation: str = 'bicubic'
     pipeline: str = 'auto'          # 'tensor' (batched uint8, in-memory data), 'pil' (timm transforms), 'auto'
+    uint8_batches: bool = True      # pil: workers return uint8, normalized (and erased) on the device; false: float32
     hflip: float = 0.5
     vflip: float = 0.0
     crop_padding: int = 0           # random crop of the zero-padded image (CIFAR style)

@@ -165,6 +165,10 @@ def setup_data(cfg: TrainConfig, model: nn.Module, num_classes: Optional[int] = 
                               f'(use pipeline=pil)')
         if pil_only:
             raise ConfigError(f'pipeline=tensor does not implement {", ".join(pil_only)}; use pipeline=pil')
+        if not cfg.uint8_batches:
+            raise ConfigError('uint8_batches=false: the tensor pipeline always moves uint8 batches and normalizes '
+                              'them on the device; float batches exist in pipeline=pil only (set pipeline=pil, or '
+                              'drop uint8_batches=false)')
     return DataSetup(train, val, val_split, size, mean, std, pipeline)
 
 
@@ -207,5 +211,11 @@ def make_loader(cfg: TrainConfig, data: DataSetup, training: bool, device: torch
         return TensorLoader(ds, order, tf, device=device, images_on_device=on_device)
     tf = build_pil_transform(scale=tuple(cfg.scale) if cfg.scale else None,
                              ratio=tuple(cfg.ratio) if cfg.ratio else None, color_jitter=cfg.color_jitter,
-                             auto_augment=cfg.auto_augment, crop_pct=cfg.crop_pct, **common)
-    return PILLoader(ds, order, tf, workers=cfg.workers, device=device)
+                             auto_augment=cfg.auto_augment, crop_pct=cfg.crop_pct, uint8=cfg.uint8_batches, **common)
+    if not cfg.uint8_batches:
+        return PILLoader(ds, order, tf, workers=cfg.workers, device=device)
+    erase = None
+    if training and cfg.reprob:
+        from timm.data.random_erasing import RandomErasing
+        erase = RandomErasing(cfg.reprob, mode=cfg.remode, max_count=cfg.recount, device=str(device))
+    return PILLoader(ds, order, tf, workers=cfg.workers, device=device, normalize=(data.mean, data.std), erase=erase)
