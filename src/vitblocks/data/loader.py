@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from .base import ImageDataset
 from .transforms import BatchTransform
 
-__all__ = ['EpochOrder', 'TensorLoader', 'PILLoader', 'derive_seed']
+__all__ = ['EpochOrder', 'TensorLoader', 'PILLoader', 'DeviceBatches', 'derive_seed']
 
 _MASK64 = (1 << 64) - 1
 
@@ -132,38 +132,55 @@ class _EpochBatches:
         return len(self.batches)
 
 
-class PILLoader:
-    """timm's per-sample PIL transforms in a DataLoader (``workers`` processes, started once and kept
-    across epochs: ``persistent_workers``).
+class DeviceBatches:
+    """The batches of ``dataloader`` on ``device``.
 
-    ``normalize=(mean, std)``: ``transform`` returns uint8 tensors (``build_pil_transform(uint8=True)``),
+    ``normalize=(mean, std)``: the DataLoader yields uint8 images (``build_pil_transform(uint8=True)``),
     so workers hand over a quarter of the bytes of float32 batches (shared memory, pinned memory,
     host-to-device copy); timm's ``PrefetchLoader`` converts them to float and normalizes them on
     ``device`` (on CUDA overlapping the copy of the next batch), then ``erase`` (timm's
-    ``RandomErasing``) runs on the batch as each batch is consumed, drawing from the training process's
-    RNGs (checkpointed, so resume stays exact: drawn at prefetch time, one batch ahead, they would not
-    be). ``normalize=None``: ``transform`` returns normalized float tensors (and erases per sample).
+    ``RandomErasing``) runs on each batch as it is consumed, drawing from the training process's RNGs
+    (checkpointed, so resume stays exact; drawn at prefetch time, one batch ahead, they would not
+    be). ``normalize=None``: the DataLoader yields normalized float images (erased per sample).
     """
 
-    def __init__(self, dataset: ImageDataset, order: EpochOrder, transform: Callable, workers: int = 0,
-                 device: torch.device = torch.device('cpu'),
+    def __init__(self, dataloader: DataLoader, device: torch.device,
                  normalize: Optional[Tuple[Sequence[float], Sequence[float]]] = None,
                  erase: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         if erase is not None and normalize is None:
             raise ValueError('erase acts on batches normalized on the device; without normalize the transform '
                              'erases per sample')
-        self.order, self.device, self.erase = order, device, erase
+        self.dataloader, self.device, self.erase, self._prefetch = dataloader, device, erase, None
+        if normalize is not None:
+            from timm.data.loader import PrefetchLoader
+            mean, std = normalize
+            self._prefetch = PrefetchLoader(dataloader, mean=tuple(mean), std=tuple(std), channels=len(mean),
+                                            device=device)
+
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        if self._prefetch is None:
+            for x, y in self.dataloader:
+                yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            return
+        for x, y in self._prefetch:
+            yield (self.erase(x) if self.erase is not None else x), y
+
+
+class PILLoader:
+    """timm's per-sample PIL transforms in a DataLoader (``workers`` processes, started once and kept
+    across epochs: ``persistent_workers``); ``normalize`` and ``erase``: see ``DeviceBatches``."""
+
+    def __init__(self, dataset: ImageDataset, order: EpochOrder, transform: Callable, workers: int = 0,
+                 device: torch.device = torch.device('cpu'),
+                 normalize: Optional[Tuple[Sequence[float], Sequence[float]]] = None,
+                 erase: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        self.order = order
         self._sampler = _EpochBatches()
         # built once (workers start at the first pass and persist); the raw uint8/float batches of the workers
         self.dataloader = DataLoader(_SeededSamples(dataset, transform), batch_sampler=self._sampler,
                                      num_workers=workers, pin_memory=device.type == 'cuda',
                                      persistent_workers=workers > 0, generator=torch.Generator().manual_seed(0))
-        self._on_device = None
-        if normalize is not None:
-            from timm.data.loader import PrefetchLoader
-            mean, std = normalize
-            self._on_device = PrefetchLoader(self.dataloader, mean=tuple(mean), std=tuple(std), channels=len(mean),
-                                             device=device)
+        self._batches = DeviceBatches(self.dataloader, device, normalize, erase)
 
     def __len__(self) -> int:
         return self.order.batches_per_epoch
@@ -175,11 +192,5 @@ class PILLoader:
         return len(self._sampler.batches)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        if not self.set_epoch(epoch, start):
-            return
-        if self._on_device is None:
-            for x, y in self.dataloader:
-                yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            return
-        for x, y in self._on_device:
-            yield (self.erase(x) if self.erase is not None else x), y
+        if self.set_epoch(epoch, start):
+            yield from self._batches

@@ -31,7 +31,7 @@ from ..ticker import Ticker
 from .base import DataError, ImageDataset, array_to_pil, to_pil
 from .shard_index import MAX_OPEN_SHARDS, OpenShards, cached_index
 
-__all__ = ['ShardDataset', 'find_shards', 'is_shard_path', 'SHARD_SUFFIXES']
+__all__ = ['ShardDataset', 'find_shards', 'is_shard_path', 'read_manifest', 'manifest_counts', 'SHARD_SUFFIXES']
 
 SHARD_SUFFIXES = ('.tar', '.tar.gz', '.tgz')
 IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp', 'bmp', 'ppm')
@@ -111,7 +111,7 @@ def find_shards(path: str, split: Optional[str]) -> List[Path]:
     return files
 
 
-def _read_manifest(folder: Path) -> Tuple[Optional[List[str]], Dict]:
+def read_manifest(folder: Path) -> Tuple[Optional[List[str]], Dict]:
     """(class names, manifest dict) from MANIFEST.json or classes.txt, if the folder has them."""
     manifest, classes = {}, None
     mpath = folder / 'MANIFEST.json'
@@ -127,6 +127,12 @@ def _read_manifest(folder: Path) -> Tuple[Optional[List[str]], Dict]:
     if classes is None and cpath.is_file():
         classes = [line.strip() for line in cpath.read_text(encoding='utf-8').splitlines() if line.strip()]
     return classes, manifest
+
+
+def manifest_counts(manifest: Dict) -> Dict[str, Optional[int]]:
+    """{shard file name: its number of samples} over every split of a MANIFEST.json."""
+    return {sh['file']: sh.get('num_samples')
+            for info in (manifest.get('splits') or {}).values() for sh in info.get('shards', [])}
 
 
 def _decode(data: bytes, shard: Path, name: str) -> np.ndarray:
@@ -227,7 +233,7 @@ class ShardDataset(ImageDataset):
                  in_memory: Optional[bool] = None, max_open_shards: int = MAX_OPEN_SHARDS):
         self.shards = find_shards(str(path), split)
         folder = self.shards[0].parent
-        found_classes, manifest = _read_manifest(folder)
+        found_classes, manifest = read_manifest(folder)
         self.source = str(path) + (f' [{split}]' if split and Path(path).is_dir() else '')
         self._check_manifest(manifest, split, whole_split=Path(path).is_dir())
         total = sum(f.stat().st_size for f in self.shards)
@@ -247,8 +253,7 @@ class ShardDataset(ImageDataset):
 
     def _check_manifest(self, manifest: Dict, split: Optional[str], whole_split: bool) -> None:
         splits = manifest.get('splits') or {}
-        self._expected = {sh['file']: sh.get('num_samples')
-                          for info in splits.values() for sh in info.get('shards', [])}
+        self._expected = manifest_counts(manifest)
         info = splits.get(split) if split else None
         if not whole_split or not info:  # a file or pattern picks its shards itself
             return

@@ -56,6 +56,7 @@ class TrainConfig:
     interpolation: str = 'bicubic'
     pipeline: str = 'auto'          # 'tensor' (batched uint8, in-memory data), 'pil' (timm transforms), 'auto'
     uint8_batches: bool = True      # pil: workers return uint8, normalized (and erased) on the device; false: float32
+    streaming: bool = False         # stream the training shards through timm's WebDataset reader (approximate epochs)
     hflip: float = 0.5
     vflip: float = 0.0
     crop_padding: int = 0           # random crop of the zero-padded image (CIFAR style)
@@ -227,6 +228,17 @@ def _check_values(data: Mapping[str, Any], where: str) -> Dict[str, Any]:
 
 def _validate(cfg: TrainConfig) -> None:
     """Checks that involve more than one key (single values are checked by the schema)."""
+    if cfg.streaming:  # a stream has neither random access nor a position inside an epoch
+        clash = [(cfg.pipeline == 'tensor', 'pipeline=tensor (decodes the whole split in memory)', 'pipeline=pil'),
+                 (cfg.train_subset, f'train_subset={cfg.train_subset} (a random subset needs random access)',
+                  'no train_subset'),
+                 ('dataset' in (cfg.mean, cfg.std), 'mean/std=dataset (statistics of a sample of the split)',
+                  'mean/std values or model'),
+                 (cfg.checkpoint_interval, f'checkpoint_interval={cfg.checkpoint_interval} (exact mid-epoch resume; '
+                  f'a streamed epoch restarts from its beginning)', 'checkpoints at epoch ends only')]
+        for bad, what, fix in clash:
+            if bad:
+                raise ConfigError(f'streaming=true cannot go with {what}; use {fix}, or drop streaming=true')
     if cfg.auto_augment:
         problem = check_auto_augment(cfg.auto_augment, random_resized_crop=cfg.scale is not None)
         if problem:

@@ -36,7 +36,7 @@ from .resume import auto_resume_checkpoint, load_on_every_rank
 from .runlog import MetricsLog, Progress, remove_stale_temporaries
 from .schedule import build_scheduler, restore_scheduler, scheduler_state
 from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader,
-                    resolve_device, setup_data)
+                    open_train_split, resolve_device, setup_data)
 
 __all__ = ['train', 'TrainingDiverged', 'RunResult', 'default_run_name', 'Trainer']
 
@@ -176,8 +176,7 @@ class Trainer:
 
     # --- setup helpers -----------------------------------------------------------------------------
     def _peek_classes(self) -> int:
-        from ..data import build_dataset
-        return build_dataset(self.cfg.data, self.cfg.train_split).num_classes
+        return open_train_split(self.cfg).num_classes
 
     def _make_run_dir(self, run_dir: Optional[Path], resume: Optional[Path], ckpt) -> Path:
         if resume is not None:
@@ -241,6 +240,10 @@ class Trainer:
         restore_scheduler(self.scheduler, ckpt.get('scheduler'), self.global_step)
         if self.log is not None and saved_batch == self.global_batch:
             self.log.truncate_after(self.global_step)
+        if self.cfg.streaming and self.epoch_step:
+            self._notes.append(f'streaming: resumed at step {self.epoch_step} of epoch {self.epoch}, which restarts '
+                               f'from the beginning of its stream for its {self.steps_per_epoch - self.epoch_step} '
+                               f'remaining steps (a stream cannot start in its middle)')
 
     # --- checkpoints -------------------------------------------------------------------------------
     def _state(self) -> Dict[str, Any]:

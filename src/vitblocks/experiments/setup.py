@@ -6,15 +6,18 @@ import timm
 import torch
 from torch import nn
 
-from ..data import (BatchTransform, DataError, EpochOrder, ImageDataset, PILLoader, TensorLoader, build_dataset,
-                    build_pil_transform, dataset_mean_std, derive_seed, eval_split_of)
+from ..data import (BatchTransform, DataError, EpochOrder, ImageDataset, PILLoader, StreamingShards, StreamLoader,
+                    TensorLoader, build_dataset, build_pil_transform, dataset_mean_std, derive_seed, eval_split_of,
+                    resolve_data_path)
+from ..data.shards import is_shard_path
 from ..data.transforms import PIL_ONLY_AUGMENTS
 from ..models import resolve_model_name
 from ..profile import fixed_image_size, input_size_of
 from .config import ConfigError, TrainConfig
 
 __all__ = ['create_model', 'mlp_dropout_kwargs', 'model_input_size', 'norm_stats', 'DataSetup', 'setup_data',
-           'make_loader', 'resolve_device', 'load_initial_weights', 'dataset_manifest', 'check_same_dataset']
+           'make_loader', 'pil_transform', 'open_train_split', 'resolve_device', 'load_initial_weights',
+           'dataset_manifest', 'check_same_dataset']
 
 
 def resolve_device(name: str) -> torch.device:
@@ -133,8 +136,19 @@ def norm_stats(cfg: TrainConfig, model: nn.Module, train: ImageDataset, channels
     return out
 
 
+def open_train_split(cfg: TrainConfig) -> ImageDataset:
+    """The training split: map-style (``build_dataset``), or a ``StreamingShards`` under ``streaming=true``."""
+    if not cfg.streaming:
+        return build_dataset(cfg.data, cfg.train_split)
+    path = resolve_data_path(cfg.data)
+    if not is_shard_path(path):
+        raise ConfigError(f'streaming=true streams WebDataset shards (.tar/.tar.gz); {cfg.data} holds none (drop '
+                          f'streaming=true for image folders)')
+    return StreamingShards(path, cfg.train_split)
+
+
 def setup_data(cfg: TrainConfig, model: nn.Module, num_classes: Optional[int] = None) -> DataSetup:
-    train = build_dataset(cfg.data, cfg.train_split)
+    train = open_train_split(cfg)
     val_split = cfg.val_split or eval_split_of(cfg.data)
     val = build_dataset(cfg.data, val_split, classes=train.classes)
     if val.num_classes != train.num_classes:
@@ -195,27 +209,44 @@ def check_same_dataset(saved: Optional[Dict[str, Any]], data: DataSetup, saved_p
 
 def make_loader(cfg: TrainConfig, data: DataSetup, training: bool, device: torch.device, rank: int = 0,
                 world_size: int = 1, batch_size: Optional[int] = None):
-    """A TensorLoader or PILLoader over the train (``training``) or val split."""
+    """A TensorLoader, PILLoader or (``streaming=true``, training) StreamLoader over the train or val split."""
     ds = data.train if training else data.val
     bs = batch_size or cfg.batch_size
-    try:
-        order = EpochOrder(len(ds), bs, seed=cfg.seed, shuffle=training, rank=rank, world_size=world_size)
-    except ValueError as e:
-        raise ConfigError(f'{ds.source}: {e}') from None
-    common = dict(input_size=data.input_size, mean=data.mean, std=data.std, training=training, hflip=cfg.hflip,
-                  vflip=cfg.vflip, crop_padding=cfg.crop_padding, interpolation=cfg.interpolation, reprob=cfg.reprob,
-                  remode=cfg.remode, recount=cfg.recount)
     if data.pipeline == 'tensor' and ds.images is not None:
-        tf = BatchTransform(device=device, **common)
+        tf = BatchTransform(data.input_size, data.mean, data.std, training, hflip=cfg.hflip, vflip=cfg.vflip,
+                            crop_padding=cfg.crop_padding, interpolation=cfg.interpolation, reprob=cfg.reprob,
+                            remode=cfg.remode, recount=cfg.recount, device=device)
         on_device = cfg.images_on_device and device.type == 'cuda'
-        return TensorLoader(ds, order, tf, device=device, images_on_device=on_device)
-    tf = build_pil_transform(scale=tuple(cfg.scale) if cfg.scale else None,
-                             ratio=tuple(cfg.ratio) if cfg.ratio else None, color_jitter=cfg.color_jitter,
-                             auto_augment=cfg.auto_augment, crop_pct=cfg.crop_pct, uint8=cfg.uint8_batches, **common)
-    if not cfg.uint8_batches:
-        return PILLoader(ds, order, tf, workers=cfg.workers, device=device)
+        return TensorLoader(ds, _epoch_order(cfg, ds, bs, training, rank, world_size), tf, device=device,
+                            images_on_device=on_device)
+    # per-sample PIL transforms; uint8 batches are normalized (and randomly erased) on the device
+    uint8 = cfg.uint8_batches
+    tf = pil_transform(cfg, data, training, uint8)
     erase = None
-    if training and cfg.reprob:
+    if uint8 and training and cfg.reprob:
         from timm.data.random_erasing import RandomErasing
         erase = RandomErasing(cfg.reprob, mode=cfg.remode, max_count=cfg.recount, device=str(device))
-    return PILLoader(ds, order, tf, workers=cfg.workers, device=device, normalize=(data.mean, data.std), erase=erase)
+    normalize = (data.mean, data.std) if uint8 else None
+    if isinstance(ds, StreamingShards):
+        return StreamLoader(ds, tf, bs, seed=cfg.seed, workers=cfg.workers, device=device, rank=rank,
+                            world_size=world_size, channels=data.input_size[0], normalize=normalize, erase=erase)
+    return PILLoader(ds, _epoch_order(cfg, ds, bs, training, rank, world_size), tf, workers=cfg.workers,
+                     device=device, normalize=normalize, erase=erase)
+
+
+def _epoch_order(cfg: TrainConfig, ds: ImageDataset, batch_size: int, training: bool, rank: int,
+                 world_size: int) -> EpochOrder:
+    try:
+        return EpochOrder(len(ds), batch_size, seed=cfg.seed, shuffle=training, rank=rank, world_size=world_size)
+    except ValueError as e:
+        raise ConfigError(f'{ds.source}: {e}') from None
+
+
+def pil_transform(cfg: TrainConfig, data: DataSetup, training: bool, uint8: bool):
+    """timm's per-sample transform for the config (``build_pil_transform``)."""
+    return build_pil_transform(data.input_size, data.mean, data.std, training, hflip=cfg.hflip, vflip=cfg.vflip,
+                               scale=tuple(cfg.scale) if cfg.scale else None,
+                               ratio=tuple(cfg.ratio) if cfg.ratio else None, color_jitter=cfg.color_jitter,
+                               auto_augment=cfg.auto_augment, interpolation=cfg.interpolation, reprob=cfg.reprob,
+                               remode=cfg.remode, recount=cfg.recount, crop_pct=cfg.crop_pct,
+                               crop_padding=cfg.crop_padding, uint8=uint8)
