@@ -2,7 +2,7 @@
 gradient accumulation, uint8 batches from the PIL pipeline, resume=auto, a longer schedule and a plateau
 schedule's counters on resume, and (slow) 2-process gloo runs:
 BatchNorm statistics averaged across ranks, a 2 -> 1 process resume, a checkpoint missing on one
-rank, and a SIGKILLed rank restarted by torchrun."""
+rank, a SIGKILLed rank restarted by torchrun, and streamed shards split between ranks."""
 import copy
 import csv
 import json
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import vitblocks  # noqa: F401  (registers the models)
-from vitblocks.data import EpochOrder, PILLoader, build_dataset, build_pil_transform
+from vitblocks.data import EpochOrder, PILLoader, ShardDataset, build_dataset, build_pil_transform
 from vitblocks.experiments import merge, train
 from vitblocks.experiments.checkpoint import load_checkpoint
 from vitblocks.experiments.config import ConfigError
@@ -211,6 +211,9 @@ if kill and os.environ['RANK'] == '1' and os.environ.get('TORCHELASTIC_RESTART_C
 result = trainer.fit()
 bn = {{k: v for k, v in trainer.model.state_dict().items() if 'running' in k}}
 torch.save(bn, spec['dump'] + '.rank' + os.environ['RANK'])
+if spec.get('dump_stream'):  # the images this rank streams in epoch 0
+    images = torch.cat([x for x, _ in trainer.train_loader.epoch(0)])
+    torch.save(images, spec['dump'] + '.stream' + os.environ['RANK'])
 '''
 
 
@@ -264,3 +267,19 @@ def test_sigkilled_rank_is_restarted_by_torchrun_with_the_same_command(data, tmp
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'from step 4' in out.stdout + out.stderr  # the restarted workers resumed from the step-4 checkpoint
     assert load_checkpoint(tmp_path / 'run' / 'last.pth')['global_step'] == 16
+
+
+@pytest.mark.slow
+def test_two_processes_stream_disjoint_halves_of_the_shards(tmp_path):
+    data = tiny_dataset(tmp_path / 'data', n_train=64, n_test=16, per_shard=16)  # 4 shards: 2 per rank
+    cfg = dict(model='vit_tiny_patch16_224', data=str(data), model_kwargs=TINY_VIT, batch_size=4, epochs=1,
+               lr=1e-3, hflip=0.0, mean=[0.5] * 3, std=[0.5] * 3, threads=1, progress='log', tensorboard=False,
+               output=str(tmp_path), name='run', streaming=True)
+    out = _torchrun(tmp_path, {'cfg': cfg, 'dump': str(tmp_path / 'd'), 'dump_stream': True})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert load_checkpoint(tmp_path / 'run' / 'last.pth')['global_step'] == 8  # 64 samples / (2 x 4)
+    key = lambda images: {bytes(img.contiguous().view(-1).numpy()) for img in images}  # (B, C, H, W): one per image
+    # back from mean = std = 0.5 to the uint8 pixels
+    rows = [key(torch.load(tmp_path / f'd.stream{r}').mul(127.5).add(127.5).round().to(torch.uint8)) for r in (0, 1)]
+    assert len(rows[0]) == len(rows[1]) == 32 and not rows[0] & rows[1]  # each rank its own 2 shards, once
+    assert rows[0] | rows[1] == key(ShardDataset(str(data), 'train').images)
