@@ -4,8 +4,9 @@
 like ``DistributedSampler``). ``TensorLoader`` slices batches straight out of a dataset held in
 memory as uint8 and augments them batched (no per-sample Python work); ``PILLoader`` runs
 timm's per-sample PIL transforms in DataLoader workers, seeding every sample's augmentation
-from (seed, epoch, index), and (by default in training runs) hands uint8 batches to the device. Both start an epoch at any step, which is how ``--resume``
-continues mid-epoch without replaying or skipping data.
+from (seed, epoch, index), and (in training runs, by default) hands uint8 batches to the device
+(``DeviceBatches``). Both start an epoch at any step, which is how ``--resume`` continues
+mid-epoch without replaying or skipping data.
 """
 import math
 import random
