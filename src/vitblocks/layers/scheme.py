@@ -139,7 +139,6 @@ class SCHEME(nn.Module):
             y = w[0] * y + w[1] * cca
         return y.permute(0, 3, 1, 2) if self.layout.channels_first else y  # (B, H, W, C) -> (B, C, H, W)
 
-    @torch.no_grad()
     def fuse(self) -> 'SCHEME':
         """Deploy form: the BD-MLP alone, ``alpha`` folded into fc2's weight and bias, CCA dropped.
 
@@ -155,12 +154,13 @@ class SCHEME(nn.Module):
                           f'(> {CCA_DROP_TOLERANCE:g}): the deployed layer differs from the trained one by that '
                           'fraction of CCA(x). SCHEME drops CCA once training has driven its weight to ~0.',
                           stacklevel=2)
-        alpha = torch.softmax(self.mix_logits, 0)[0]
         fused = copy.deepcopy(self, {id(self.layout): self.layout})  # shares the layout object
         fused.mix_logits = None
-        fused.fc2.weight.mul_(alpha)
-        if fused.fc2.bias is not None:
-            fused.fc2.bias.mul_(alpha)
+        with torch.no_grad():
+            alpha = torch.softmax(self.mix_logits, 0)[0]
+            fused.fc2.weight.mul_(alpha)
+            if fused.fc2.bias is not None:
+                fused.fc2.bias.mul_(alpha)
         return fused
 
     def extra_repr(self) -> str:
