@@ -135,8 +135,12 @@ class LVViT(VisionTransformer):
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Class-token logits plus 0.5 x the per-class max of the aux head over the patch tokens."""
-        logits = super().forward_head(x, pre_logits=pre_logits)
-        if pre_logits or self.aux_head is None:
+        # timm ViT's forward_head, spelled out: TorchScript cannot call super()
+        pooled = self.head_drop(self.fc_norm(self.pool(x)))
+        if pre_logits:
+            return pooled
+        logits = self.head(pooled)
+        if self.aux_head is None:
             return logits
         aux = self.aux_head(x[:, self.num_prefix_tokens:])  # (B, N, D) -> (B, N, num_classes)
         return logits + 0.5 * aux.amax(dim=1)
