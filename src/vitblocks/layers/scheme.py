@@ -1,7 +1,7 @@
 """SCHEME, the Scalable CHannEl MixEr of Sridhar, Li and Vasconcelos ("SCHEME: Scalable Channel Mixer
 for Vision Transformers", arXiv 2312.00412), a counterpart FFN of AFBO's Table 3.
 
-Structure (SCHEME Fig. 2: a block-diagonal MLP with a channel covariance attention branch)::
+Structure (a block-diagonal MLP with a parallel channel covariance attention branch)::
 
     x (d) -> fc1, G1 groups (d -> Ed) -> act -> fc2, G2 groups (Ed -> d) ---- * alpha -----.
       '----> CCA: softmax(scale * X^T X) over channel pairs, applied to X ---- * (1 - alpha) -+-> y
@@ -31,8 +31,8 @@ Choices where the description is open (the authors' public code, DeepakSridhar/s
 learn only):
 
 * ``scale = (E d)^-1/2``, the authors' choice. Their code forms the "transpose" of X with a reshape
-  (which scrambles tokens and channels for N > 1); we use the covariance ``X^T X`` the paper
-  describes.
+  (which scrambles tokens and channels for N > 1); we use the channel covariance ``X^T X`` that the
+  method's name and the paper's abstract (attention from channel covariances) describe.
 * The mixing logits start at zero (``alpha = 0.5``); the authors draw them from N(0, 1).
 * All tokens, prefix (class) tokens included, enter the covariance: CCA is a channel operation
   and needs no grid. Channels-first input (PoolFormer) is handled by a permute.
