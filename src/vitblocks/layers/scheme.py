@@ -148,7 +148,7 @@ class SCHEME(nn.Module):
         """
         if self.mix_logits is None:
             return self
-        dropped = self.cca_weight()
+        dropped = 0. if self.mix_logits.is_meta else self.cca_weight()  # meta: shapes only, nothing to compare
         if dropped > CCA_DROP_TOLERANCE:
             warnings.warn(f'SCHEME.fuse drops the CCA branch with weight 1 - alpha = {dropped:.4g} '
                           f'(> {CCA_DROP_TOLERANCE:g}): the deployed layer differs from the trained one by that '
