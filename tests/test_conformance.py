@@ -16,16 +16,16 @@ from torchvision.models.feature_extraction import create_feature_extractor, get_
 
 import vitblocks
 
-ALL = vitblocks.list_models()
+ALL = vitblocks.list_models() + vitblocks.models.list_backbones()  # + the backbones vitblocks adds to timm (LV-ViT, LVT)
 # the default run: small models that still cover a swapped FFN with grid tracking (LocalViT), the
 # gating unit and Mixer blocks in a ViT. test_dense.py runs features_only / forward_intermediates
 # for the 224 px families (ViT/DeiT, Swin, PoolFormer, PVTv2) and a detector by default.
 SUBSET = ['ninformer_vit_patch4_32', 'ninformer_baseline_localvit_patch4_32', 'ninformer_baseline_mixer_patch4_28']
 # TorchScript: models whose swapped layers do not script yet (their layers keep a Python TokenLayout,
 # infer list sizes, or call functions stored as attributes): IFFN, AFBO, LocalityFFN, the gating unit
-# and value-activation attention.
+# and value-activation attention; SCHEME (its channel maps and layout).
 NOT_SCRIPTABLE = ('iffn_', 'afbo_', 'ninformer_vit_', 'ninformer_baseline_localvit_', 'mabvit_glu', 'mabvit_prglu',
-                  'mabvit_gelu')
+                  'mabvit_gelu', 'scheme_')
 CFG_KEYS = ('input_size', 'fixed_input_size', 'interpolation', 'crop_pct', 'mean', 'std', 'num_classes', 'pool_size',
             'first_conv', 'classifier')
 
@@ -56,7 +56,8 @@ def test_pretrained_cfg(name):
     # the registry's config (what timm's data pipeline reads before building) is the model's
     assert get_pretrained_cfg_value(name, 'input_size') == cfg['input_size']
     state = model.state_dict()
-    assert f"{cfg['first_conv']}.weight" in state and f"{cfg['classifier']}.weight" in state
+    classifiers = cfg['classifier'] if isinstance(cfg['classifier'], (tuple, list)) else (cfg['classifier'],)
+    assert f"{cfg['first_conv']}.weight" in state and all(f'{c}.weight' in state for c in classifiers)
     x = _input(model)
     with torch.no_grad():
         feats = model.forward_features(x)

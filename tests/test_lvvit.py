@@ -1,4 +1,4 @@
-"""LV-ViT (lvvit_s, lvvit_m): architecture counts, RePa surgery and its exact fold, timm interface."""
+"""LV-ViT (lvvit_s, lvvit_m, lvvit_l): architecture counts, RePa surgery and its exact fold, timm interface."""
 import pytest
 import timm
 import torch
@@ -33,6 +33,25 @@ def test_backbone_matches_definition_and_published_counts(name, dim, depth, para
     assert count_params(model) == _lvvit_params(dim, depth)
     assert count_params(model) / 1e6 == pytest.approx(params_m, rel=0.01)
     assert count_macs(model, **TABLE1_COUNTER).gmacs == pytest.approx(gmacs, rel=0.01)
+
+
+@pytest.mark.slow
+def test_lvvit_l_matches_definition_and_published_counts():
+    """LV-ViT-L at 288 px: 150 M parameters and 58.9 GMACs (LV-ViT paper / TokenLabeling README)."""
+    with torch.device('meta'):
+        model = timm.create_model('lvvit_l')
+    assert count_params(model) == _lvvit_params(768, 24, patches=18 * 18, stem=128)
+    assert count_params(model) / 1e6 == pytest.approx(150, rel=0.01)
+    assert count_macs(model).gmacs == pytest.approx(58.9, rel=0.01)  # attention matmuls counted
+
+
+def test_lvvit_l_architecture():
+    model = timm.create_model('lvvit_l', embed_dim=48, depth=2, num_heads=2, img_size=32, num_classes=3)
+    assert model.patch_embed.proj[0].out_channels == 128 and model.blocks[1].ls2.value == pytest.approx(1 / 3)
+    assert model.pretrained_cfg['input_size'] == (3, 288, 288) and model.pretrained_cfg['crop_pct'] == 1.0
+    with torch.device('meta'):
+        assert timm.create_model('lvvit_l').patch_embed.grid_size == (18, 18)
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3)
 
 
 def _randomize_batchnorms(model):
@@ -99,7 +118,7 @@ def test_timm_interface():
     assert model.get_submodule(cfg['first_conv']).in_channels == 3
     feats = timm.create_model('lvvit_s', features_only=True, out_indices=(1, 2), **SMALL)
     assert [f.shape for f in feats(torch.randn(1, 3, 32, 32))] == [(1, 64, 2, 2)] * 2
-    assert {'lvvit_s', 'lvvit_m'} <= set(vitblocks.models.list_backbones())
+    assert {'lvvit_s', 'lvvit_m', 'lvvit_l'} <= set(vitblocks.models.list_backbones())
 
 
 def test_bad_options_are_clear_errors():

@@ -32,12 +32,13 @@ def _small_input_kwargs(name):
 
 _HEAVY = ('large', 'huge', '_m36', '_m48', 'swin_small', 'swin_base', 'mixer_l16', 'deit_base', 'vit_base',
           'lvvit', 'lvt')  # LV-ViT, LVT: tests/test_lvvit.py, test_lvt.py run the same checks fast (small inputs)
+_HEAVY_PREFIXES = ('scheme_',)  # E = 8 MLPs on PoolFormer/Swin at 224 px: tests/test_scheme.py runs narrow copies
 
 
 def _marks(name):
     """Big models (> ~50 M params or Swin at 224) run only with `-m slow` (make test-all)."""
     base = get_variant(name).base if name in ALL_MODELS else name
-    return [pytest.mark.slow] if any(h in base for h in _HEAVY) else []
+    return [pytest.mark.slow] if any(h in base for h in _HEAVY) or name.startswith(_HEAVY_PREFIXES) else []
 
 
 @pytest.mark.parametrize('name', [pytest.param(n, marks=_marks(n)) for n in ALL_MODELS + BACKBONES])

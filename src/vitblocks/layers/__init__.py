@@ -12,6 +12,7 @@ from .channel_maps import (DenseChannelMap, GroupedChannelMap, GroupedCrossChann
                            create_channel_map)
 from .afbo import AFBO, SpatialAttention, afbo_full, afbo_grouped, scfbo_gc, scfbo_oc
 from .ffn_counterparts import ConvGLU, ConvNeXtFFN, LocalViTFFN, glu, group_ffn, swiglu
+from .scheme import SCHEME
 
 # torch.fx: these layers branch in Python on their input's layout (tokens, channels-first or
 # channels-last maps; the grid of their TokenLayout) or on autograd state, which symbolic tracing
@@ -21,5 +22,5 @@ from .ffn_counterparts import ConvGLU, ConvNeXtFFN, LocalViTFFN, glu, group_ffn,
 from timm.layers import register_notrace_module as _register_notrace_module
 
 for _cls in (IFFN, SumOfNonlinearities, AFBO, ConvGLU, ConvNeXtFFN, LocalViTFFN, LocalityFFN, MixerGatingUnit,
-             RePaFFN, RePaDeployedFFN, ValueActivationAttention):
+             RePaFFN, RePaDeployedFFN, ValueActivationAttention, SCHEME):
     _register_notrace_module(_cls)

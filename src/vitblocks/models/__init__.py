@@ -5,6 +5,7 @@ from . import iffn  # noqa: F401  (registers the IFFN models)
 from . import afbo  # noqa: F401  (registers the AFBO FFNs, their counterparts and the AFBO models)
 from . import lvvit  # noqa: F401  (registers the LV-ViT backbones lvvit_s, lvvit_m with timm)
 from . import lvt  # noqa: F401  (registers LVT with timm, and iffn_lvt, afbo_lvt)
+from . import scheme  # noqa: F401  (registers the SCHEME models of AFBO Table 3)
 from .registry import VariantSpec, get_variant, list_models, register_variant, resolve_model_name
 from .surgery import SUPPORTED_FAMILIES, find_ffn_slots, swap_ffn
 from .repa import list_residual_ffns, swap_residual_ffn  # registers the RePa models

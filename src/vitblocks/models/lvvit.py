@@ -1,5 +1,5 @@
 """LV-ViT (Jiang et al., "All Tokens Matter: Token Labeling for Training Better Vision
-Transformers", NeurIPS 2021) as a timm ``VisionTransformer``: ``lvvit_s``, ``lvvit_m``.
+Transformers", NeurIPS 2021) as a timm ``VisionTransformer``: ``lvvit_s``, ``lvvit_m``, ``lvvit_l``.
 
 What LV-ViT changes in a ViT (from the paper and the authors' model definition):
 
@@ -135,8 +135,12 @@ class LVViT(VisionTransformer):
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Class-token logits plus 0.5 x the per-class max of the aux head over the patch tokens."""
-        logits = super().forward_head(x, pre_logits=pre_logits)
-        if pre_logits or self.aux_head is None:
+        # timm ViT's forward_head, spelled out: TorchScript cannot call super()
+        pooled = self.head_drop(self.fc_norm(self.pool(x)))
+        if pre_logits:
+            return pooled
+        logits = self.head(pooled)
+        if self.aux_head is None:
             return logits
         aux = self.aux_head(x[:, self.num_prefix_tokens:])  # (B, N, D) -> (B, N, num_classes)
         return logits + 0.5 * aux.amax(dim=1)
@@ -151,6 +155,7 @@ def _cfg(**kwargs):
 default_cfgs = generate_default_cfgs({  # read by timm's register_model; crop_pct as in the authors' configs
     'lvvit_s': _cfg(),
     'lvvit_m': _cfg(crop_pct=1.0),
+    'lvvit_l': _cfg(crop_pct=1.0, input_size=(3, 288, 288)),  # trained and evaluated at 288 px
 })
 
 
@@ -175,3 +180,10 @@ def lvvit_m(pretrained: bool = False, **kwargs) -> LVViT:
     """LV-ViT-M: width 512, 20 blocks, 8 heads, MLP ratio 3, skip_lam 2 (55.8 M params)."""
     args = dict(patch_size=16, embed_dim=512, depth=20, num_heads=8, skip_lam=2.)
     return _create_lvvit('lvvit_m', pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def lvvit_l(pretrained: bool = False, **kwargs) -> LVViT:
+    """LV-ViT-L: width 768, 24 blocks, 12 heads, MLP ratio 3, skip_lam 3, 128-channel stem, 288 px (150 M params)."""
+    args = dict(img_size=288, patch_size=16, embed_dim=768, depth=24, num_heads=12, skip_lam=3., stem_width=128)
+    return _create_lvvit('lvvit_l', pretrained, **dict(args, **kwargs))
