@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 __all__ = ['LatencyResult', 'benchmark_models', 'fixed_threads', 'check_bench_options', 'step_timer', 'AMP_DTYPES',
-           'COMPILE_MODES', 'WallTimer', 'CudaEventTimer']
+           'COMPILE_MODES', 'WallTimer', 'CudaEventTimer', 'timm_record']
 
 AMP_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
 # torch.compile's modes (timm's benchmark.py passes its --torchcompile-mode through the same way)
@@ -231,3 +231,31 @@ def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_s
                     step(m)
                     results[name].times_ms.append(timer.stop())
     return results
+
+
+def timm_record(result: LatencyResult, param_count: int, img_size: int, train: bool = False,
+                baseline: Optional[LatencyResult] = None) -> Dict[str, object]:
+    """One model's result in the field names of timm's ``benchmark.py`` (``infer_samples_per_sec``,
+    ``infer_step_time``, ``infer_batch_size``, ``infer_img_size``, ``param_count``; ``train_*`` for
+    training), plus ours: median / p10 / p90 ms, compile seconds and the same-run ratio to ``baseline``.
+
+    timm's samples/s is ``batch / mean step time`` and its step time the mean in ms; ours (the
+    table's images/s) uses the median, which one disturbed step moves less.
+    """
+    p = 'train' if train else 'infer'
+    record: Dict[str, object] = {
+        'model': result.name,
+        f'{p}_samples_per_sec': round(result.batch_size / (result.mean_ms / 1e3), 2),
+        f'{p}_step_time': round(result.mean_ms, 3),
+        f'{p}_batch_size': result.batch_size,
+        f'{p}_img_size': img_size,
+        'param_count': round(param_count / 1e6, 2),
+        f'{p}_median_ms': round(result.median_ms, 3),
+        f'{p}_p10_ms': round(result.p10_ms, 3),
+        f'{p}_p90_ms': round(result.p90_ms, 3),
+        f'{p}_compile_s': None if result.compile_s is None else round(result.compile_s, 2),
+    }
+    if baseline is not None:
+        record['vs_baseline'] = round(result.median_ms / baseline.median_ms, 4)  # < 1: faster than the baseline
+        record['speedup_vs_baseline'] = round(baseline.median_ms / result.median_ms, 4)  # images/s ratio
+    return record
