@@ -68,6 +68,12 @@ def _batch_dim() -> dict:
     return {0: torch.export.Dim('batch')}  # the batch dimension symbolic (batch 1 runs too)
 
 
+def _example_batch(batch_size: int, dynamic_batch: bool) -> int:
+    """torch.export specializes a size-1 dimension to the constant 1, so a dynamic batch is traced
+    with an example batch of at least 2 (the exported program still runs batch 1)."""
+    return max(batch_size, 2) if dynamic_batch else batch_size
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (what an export stores)."""
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -81,11 +87,11 @@ def export_pt2(model: nn.Module, path: PathLike, input_size: Optional[Sequence[i
 
     Args:
         input_size: ``(C, H, W)`` (default: the model's config).
-        batch_size: batch of the example input.
+        batch_size: batch of the example input (at least 2 with ``dynamic_batch``, see above).
         dynamic_batch: leave the batch dimension symbolic, so any batch size runs.
     """
     path = _prepare(model, path)
-    x = example_input(model, input_size, batch_size)
+    x = example_input(model, input_size, _example_batch(batch_size, dynamic_batch))
     program = torch.export.export(model, (x,), dynamic_shapes=(_batch_dim(),) if dynamic_batch else None)
     torch.export.save(program, str(path))
     return path
@@ -112,7 +118,7 @@ def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[
     if external_data and not dynamo:
         raise ValueError('external_data is an option of the dynamo exporter; drop it or use dynamo=True')
     path = _prepare(model, path)
-    x = example_input(model, input_size, batch_size)
+    x = example_input(model, input_size, _example_batch(batch_size, dynamic_batch and dynamo))
     kwargs = dict(input_names=['input'], output_names=['output'], opset_version=opset, dynamo=dynamo)
     if dynamic_batch and dynamo:
         kwargs['dynamic_shapes'] = (_batch_dim(),)
