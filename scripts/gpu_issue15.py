@@ -95,6 +95,23 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+@torch.inference_mode()
+def probe(models: dict, size, device: str, precision: str) -> dict:
+    """{variant: error} for the models whose eager forward (batch 1) fails in this setting; e.g.
+    deployed RePa under autocast (its in-place addmm_ is outside autocast's op list)."""
+    failed = {}
+    x = torch.randn(1, *size, device=device)
+    for v, m in models.items():
+        try:
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == 'bf16'):
+                m.to(device)(x)
+        except RuntimeError as e:
+            failed[v] = f'{type(e).__name__}: {" ".join(str(e).split())[:200]}'
+    if 'vanilla' in failed:
+        raise RuntimeError(f'the vanilla backbone fails: {failed["vanilla"]}')
+    return failed
+
+
 def run_group(args, group: str, precision: str, compiled: bool, batch: int) -> list:
     base, variants = GROUPS[group]
     size_kwargs = {'img_size': args.img_size} if args.img_size else {}
@@ -105,6 +122,9 @@ def run_group(args, group: str, precision: str, compiled: bool, batch: int) -> l
     models = {v: build_variant(base, v, size_kwargs) for v in ('vanilla',) + variants}
     params = {v: count_params(m) for v, m in models.items()}
     size = (3, args.img_size or 224, args.img_size or 224)
+    failed = probe(models, size, args.device, precision)  # a model that cannot run here must not stop its group
+    for v in failed:
+        del models[v]
     results = benchmark_models(models, batch_size=batch, input_size=size, warmup=args.warmup, repeats=args.repeats,
                                device=args.device, amp='bf16' if precision == 'bf16' else None, compile=compiled)
     records = []
@@ -114,6 +134,7 @@ def run_group(args, group: str, precision: str, compiled: bool, batch: int) -> l
                    precision='amp_bfloat16' if precision == 'bf16' else 'float32',
                    torchcompile='inductor' if compiled else None, device=args.device)
         records.append(rec)
+    records += [{'model': f'{base} {v}', 'group': group, 'variant': v, 'error': e} for v, e in failed.items()]
     for m in models.values():
         m.cpu()
     del models

@@ -83,11 +83,14 @@ def table(folder: Path, setting: str, claims) -> list:
         by_variant = {r['variant']: r for r in records}
         for v in ('vanilla',) + variants:
             r = by_variant[v]
+            if 'error' in r:  # this model could not run in this setting
+                rows.append(f'| {base} | {LABELS[v]}: fails: {r["error"][:100]} | | | | | | | | |')
+                continue
             ours = r['speedup_vs_baseline']
             claim, source = vs_vanilla.get((base, v), (None, ''))
-            cells = [base, LABELS[v], f'{r["infer_median_ms"]:.2f}', f'{r["infer_samples_per_sec"]:.1f}', f'{ours:.2f}x',
-                     f'{claim:.2f}x ({source})' if claim else '', verdict(ours, claim) if claim else '']
-            if v == 'repa_deployed':
+            cells = [base, LABELS[v], f'{r["infer_median_ms"]:.2f}', f'{r["infer_samples_per_sec"]:.1f}',
+                     f'{ours:.2f}x', f'{claim:.2f}x ({source})' if claim else '', verdict(ours, claim) if claim else '']
+            if v == 'repa_deployed' and 'error' not in by_variant['repa']:
                 ours_t = by_variant['repa']['infer_median_ms'] / r['infer_median_ms']
                 claim_t, source_t = vs_training.get(base, (None, ''))
                 cells += [f'{ours_t:.2f}x', f'{claim_t:.2f}x ({source_t})' if claim_t else '',

@@ -65,9 +65,9 @@ def test_bench_channels_last_fp16_and_baseline_ratio(tmp_path, capsys):
 
 
 @pytest.mark.parametrize('argv, fragments', [
-    (['--compile-mode', 'max-autotune'], ['--compile-mode', 'add --compile']),
-    (['--compile', '--compile-mode', 'reduce-overhead'], ['reduce-overhead', 'CUDA graphs']),
-    (['--device', 'tpu'], ['--device', 'expected cpu, cuda or cuda:N']),
+    (['--compile-mode', 'max-autotune'], ['--compile-mode max-autotune: given without compiling; add --compile']),
+    (['--compile', '--compile-mode', 'reduce-overhead'], ['--compile-mode reduce-overhead: CUDA graphs']),
+    (['--device', 'tpu'], ['--device tpu: expected cpu, cuda or cuda:N']),
     (['--weights', 'w.safetensors', '--train'], ['--weights', 'inference-only']),
     (['--amp', 'fp8'], ['--amp', 'invalid choice']),
 ])
@@ -95,7 +95,7 @@ def test_amp_that_autocast_would_silently_drop_is_refused(monkeypatch):
             return False
 
     monkeypatch.setattr(torch, 'autocast', NoAutocast)
-    with pytest.raises(ValueError, match='amp fp16: autocast to torch.float16 is not supported on cpu.*use bf16'):
+    with pytest.raises(ValueError, match="amp='fp16': autocast to torch.float16 is not supported on cpu.*use bf16"):
         check_bench_options('cpu', amp='fp16')
 
 
@@ -103,7 +103,7 @@ def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda *a: 'Tesla V100')
-    with pytest.raises(ValueError, match='Tesla V100 has no bfloat16 support; use fp16'):
+    with pytest.raises(ValueError, match="amp='bf16': Tesla V100 has no bfloat16 support; use fp16"):
         check_bench_options('cuda', amp='bf16')
 
 

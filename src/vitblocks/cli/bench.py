@@ -7,8 +7,9 @@ import timm
 import torch
 from timm.utils import reparameterize_model
 
-from ..profile import (AMP_DTYPES, COMPILE_MODES, benchmark_models, check_bench_options, count_params, input_size_of,
-                       timm_record)
+from ..deploy.io import model_sizes
+from ..profile import (AMP_DTYPES, COMPILE_MODES, BenchOptionError, benchmark_models, check_bench_options,
+                       count_params, input_size_of, timm_record)
 from .common import (CliError, add_model_size_args, build_model, check_writable_file, model_size_kwargs,
                      non_negative_int, parse_block_cfg, positive_int, render_table, resolve)
 from .export import deployed_model
@@ -21,8 +22,8 @@ examples:
   vitblocks bench iffn_deit_tiny_patch16_224 --baseline deit_tiny_patch16_224 --reparam --batch-size 8 --threads 1
   vitblocks bench iffn_poolformer_s12 --train --batch-size 16 --repeats 5
   vitblocks bench deit_tiny_patch16_224 --img-size 32 --num-classes 10 --batch-size 64
-  vitblocks bench repa_deit_base_patch16_224 --baseline deit_base_patch16_224 --reparam --device cuda --batch-size 128 \\
-      --amp bf16 --compile --json repa_b.json
+  vitblocks bench repa_deit_base_patch16_224 --baseline deit_base_patch16_224 --reparam --device cuda \\
+      --batch-size 128 --amp bf16 --compile --json repa_b.json
   vitblocks bench repa_deit_tiny_patch16_224 --weights deployed.safetensors --baseline deit_tiny_patch16_224
 
 --num-classes / --img-size build MODEL and the baseline alike; --weights (a deployed safetensors file,
@@ -77,9 +78,9 @@ def _check_args(args) -> None:
         raise CliError('--weights loads a deployed (inference-only) model; drop --train or --weights')
     try:
         check_bench_options(args.device, args.amp, args.compile, args.compile_mode)
-    except ValueError as e:
-        flags = str(e).replace('compile mode', '--compile-mode').replace('add compile (--compile)', 'add --compile')
-        raise CliError(flags.replace('device ', '--device ', 1).replace('amp ', '--amp ', 1)) from None
+    except BenchOptionError as e:
+        reason = e.reason.replace('add compile', 'add --compile')
+        raise CliError(f'--{e.option.replace("_", "-")} {e.value}: {reason}') from None
     if args.json:
         check_writable_file(Path(args.json), '--json')  # before the run, not after it
 
@@ -89,13 +90,7 @@ def _models(args, name, baseline):
     block_cfg = parse_block_cfg(args.block_cfg)
     if args.weights:
         model = deployed_model(name, args.weights, block_cfg, size_kwargs)
-        # the baseline is built at the file's sizes, as if they had been given on the command line
-        size_kwargs = {'num_classes': model.num_classes}
-        from ..profile import fixed_image_size
-        if fixed_image_size(model):
-            size_kwargs['img_size'] = fixed_image_size(model)
-        if input_size_of(model)[0] != 3:
-            size_kwargs['in_chans'] = input_size_of(model)[0]
+        size_kwargs = model_sizes(model)  # the baseline is built at the file's sizes
     else:
         model = build_model(name, block_cfg, size_kwargs)
     models = {name: model}

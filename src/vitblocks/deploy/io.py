@@ -33,8 +33,8 @@ from safetensors.torch import load_model, save_model
 from timm.layers import to_2tuple
 from torch import nn
 
-__all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'recorded_sizes', 'write_safetensors',
-           'DeployedCheckpointError', 'FORMAT', 'SIZE_KEYS']
+__all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'recorded_sizes', 'model_sizes',
+           'write_safetensors', 'DeployedCheckpointError', 'FORMAT', 'SIZE_KEYS']
 
 FORMAT = 'vitblocks.deployed/1'  # metadata['format'] of every file save_deployed writes
 SIZE_KEYS = ('num_classes', 'img_size', 'in_chans')  # timm kwargs a file records (JSON values in its metadata)
@@ -78,13 +78,13 @@ def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
     deployed = _reparameterize(model, inplace=False)
     metadata = {'format': FORMAT, 'architecture': name or _architecture(model),
                 'torch': torch.__version__, 'timm': timm.__version__}
-    metadata.update({k: json.dumps(v) for k, v in _sizes(deployed).items()})
+    metadata.update({k: json.dumps(v) for k, v in model_sizes(deployed).items()})
     if block_cfg:
         metadata['block_cfg'] = json.dumps(block_cfg, sort_keys=True)
     return write_safetensors(deployed, path, metadata)
 
 
-def _sizes(model: nn.Module) -> Dict[str, Any]:
+def model_sizes(model: nn.Module) -> Dict[str, Any]:
     """The timm kwargs that rebuild ``model``'s shape: classes, input channels, and the image size
     when its patch embedding fixes one (ViT, Swin, Mixer; PoolFormer takes any size)."""
     from ..profile import fixed_image_size, input_size_of  # profile imports deploy users; keep it lazy

@@ -24,7 +24,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-__all__ = ['LatencyResult', 'benchmark_models', 'fixed_threads', 'check_bench_options', 'step_timer', 'AMP_DTYPES',
+__all__ = ['LatencyResult', 'benchmark_models', 'fixed_threads', 'check_bench_options', 'BenchOptionError',
+           'step_timer', 'AMP_DTYPES',
            'COMPILE_MODES', 'WallTimer', 'CudaEventTimer', 'timm_record']
 
 AMP_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -78,6 +79,16 @@ def fixed_threads(num_threads: Optional[int]):
         torch.set_num_threads(old)
 
 
+class BenchOptionError(ValueError):
+    """An option of a benchmark that cannot run as asked. ``option`` names it ('device', 'amp',
+    'compile_mode'), ``value`` is what was given, ``reason`` says what to change; the command
+    line prints it with its flag (``--amp fp16: ...``)."""
+
+    def __init__(self, option: str, value, reason: str):
+        super().__init__(f'{option}={value!r}: {reason}')
+        self.option, self.value, self.reason = option, value, reason
+
+
 class WallTimer:
     """Wall-clock milliseconds of a CPU step (the CPU runs it synchronously)."""
 
@@ -117,8 +128,8 @@ def step_timer(device: Union[str, torch.device]) -> Union[WallTimer, CudaEventTi
 
 def check_bench_options(device: Union[str, torch.device], amp: Optional[str] = None, compile: bool = False,
                         compile_mode: Optional[str] = None) -> torch.device:
-    """Raise ``ValueError`` (saying what to change) for options that cannot run as asked on
-    ``device``, instead of measuring something else; return the device.
+    """Raise :class:`BenchOptionError` (a ``ValueError`` saying what to change) for options that
+    cannot run as asked on ``device``, instead of measuring something else; return the device.
 
     * ``device``: 'cpu', 'cuda' or 'cuda:N', and CUDA must be available for the latter.
     * ``amp``: 'bf16' or 'fp16'; autocast must support that dtype on the device (CPU autocast
@@ -130,17 +141,16 @@ def check_bench_options(device: Union[str, torch.device], amp: Optional[str] = N
     except RuntimeError:
         dev = None
     if dev is None or dev.type not in ('cpu', 'cuda'):
-        raise ValueError(f'device {device!r}: expected cpu, cuda or cuda:N')
+        raise BenchOptionError('device', device, 'expected cpu, cuda or cuda:N')
     if dev.type == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(f'device {device}: CUDA is not available here; use cpu')
+        raise BenchOptionError('device', device, 'CUDA is not available here; use cpu')
     if compile_mode is not None and not compile:
-        raise ValueError(f'compile mode {compile_mode!r} given without compiling; add compile (--compile) or drop '
-                         f'the mode')
+        raise BenchOptionError('compile_mode', compile_mode, 'given without compiling; add compile or drop the mode')
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
-        raise ValueError(f'compile mode {compile_mode!r}: expected one of {", ".join(COMPILE_MODES)}')
+        raise BenchOptionError('compile_mode', compile_mode, f'expected one of {", ".join(COMPILE_MODES)}')
     if compile and compile_mode == 'reduce-overhead' and dev.type != 'cuda':
-        raise ValueError("compile mode 'reduce-overhead' is CUDA graphs; on the CPU it would run as 'default'. "
-                         "Use 'default' or 'max-autotune-no-cudagraphs'")
+        raise BenchOptionError('compile_mode', compile_mode, "CUDA graphs; on the CPU it would run as 'default'. "
+                                                             "Use 'default' or 'max-autotune-no-cudagraphs'")
     if amp is not None:
         _check_amp(dev, amp)
     return dev
@@ -148,12 +158,12 @@ def check_bench_options(device: Union[str, torch.device], amp: Optional[str] = N
 
 def _check_amp(dev: torch.device, amp: str) -> None:
     if amp not in AMP_DTYPES:
-        raise ValueError(f'amp {amp!r}: expected one of {", ".join(AMP_DTYPES)}')
+        raise BenchOptionError('amp', amp, f'expected one of {", ".join(AMP_DTYPES)}')
     dtype = AMP_DTYPES[amp]
     if not torch.amp.is_autocast_available(dev.type):
-        raise ValueError(f'amp {amp}: torch has no autocast for {dev.type}; drop amp')
+        raise BenchOptionError('amp', amp, f'torch has no autocast for {dev.type}; drop amp')
     if dev.type == 'cuda' and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ValueError(f'amp bf16: {torch.cuda.get_device_name(dev)} has no bfloat16 support; use fp16')
+        raise BenchOptionError('amp', amp, f'{torch.cuda.get_device_name(dev)} has no bfloat16 support; use fp16')
     # autocast disables itself (a warning, then fp32) for a dtype the device does not support: probe it
     w = torch.ones(2, 2, device=dev)
     try:
@@ -163,8 +173,8 @@ def _check_amp(dev: torch.device, amp: str) -> None:
         out, err = None, e
     if out is None or out.dtype != dtype:
         why = f' ({err})' if out is None else ''
-        raise ValueError(f'amp {amp}: autocast to {dtype} is not supported on {dev.type} by this torch{why}; '
-                         f'use {"bf16" if amp == "fp16" else "fp16"} or drop amp')
+        raise BenchOptionError('amp', amp, f'autocast to {dtype} is not supported on {dev.type} by this '
+                                           f'torch{why}; use {"bf16" if amp == "fp16" else "fp16"} or drop amp')
 
 
 def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_size=(3, 224, 224),
@@ -188,7 +198,7 @@ def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_s
             compiles, is timed on its own (``LatencyResult.compile_s``) and precedes ``warmup``.
 
     Raises:
-        ValueError: options :func:`check_bench_options` rejects.
+        BenchOptionError: options :func:`check_bench_options` rejects.
     """
     dev = check_bench_options(device, amp, compile, compile_mode)
     x = torch.randn(batch_size, *input_size, device=dev)
