@@ -148,15 +148,21 @@ def _build_deployed(name: str, block_cfg: Optional[Dict[str, Any]], **kwargs) ->
         name = resolve_model_name(name)
     except ValueError as e:
         raise DeployedCheckpointError(str(e)) from None
-    if name in list_models():
-        try:
-            return timm.create_model(name, block_cfg={**(block_cfg or {}), 'deploy': True}, **kwargs).eval()
-        except TypeError as e:
-            if 'deploy' not in str(e):
-                raise
-    elif block_cfg:
-        raise DeployedCheckpointError(f'block_cfg applies to vitblocks models only; {name} is a timm model')
-    return _reparameterize(timm.create_model(name, **kwargs), inplace=True)
+    try:
+        if name in list_models():
+            try:
+                return timm.create_model(name, block_cfg={**(block_cfg or {}), 'deploy': True}, **kwargs).eval()
+            except (TypeError, ValueError) as e:  # a method without a deploy option (MABViT raises ValueError)
+                if 'deploy' not in str(e):
+                    raise
+        elif block_cfg:
+            raise DeployedCheckpointError(f'block_cfg applies to vitblocks models only; {name} is a timm model')
+        return _reparameterize(timm.create_model(name, **kwargs), inplace=True)
+    except (TypeError, ValueError) as e:  # e.g. a recorded size or a block config the builder does not take
+        if isinstance(e, DeployedCheckpointError):
+            raise
+        raise DeployedCheckpointError(f'cannot build {name} with {kwargs or "its defaults"} and block config '
+                                      f'{block_cfg or {}}: {type(e).__name__}: {e}') from None
 
 
 def _as_size(key: str, value: Any) -> Any:
@@ -164,8 +170,9 @@ def _as_size(key: str, value: Any) -> Any:
     return tuple(to_2tuple(value)) if key == 'img_size' else value
 
 
-def load_deployed(name_or_model: Union[str, nn.Module], path: PathLike, block_cfg: Optional[Dict[str, Any]] = None,
-                  device: Union[str, torch.device] = 'cpu', **kwargs) -> nn.Module:
+def load_deployed(name_or_model: Union[str, nn.Module, None], path: PathLike,
+                  block_cfg: Optional[Dict[str, Any]] = None, device: Union[str, torch.device] = 'cpu',
+                  **kwargs) -> nn.Module:
     """Build a model in deploy form and load a deployed checkpoint into it (strict).
 
     Args:
