@@ -149,7 +149,8 @@ def _write_json(args, results, params, size, ref, device) -> None:
                 'channels_last': args.channels_last, 'torchcompile': 'inductor' if args.compile else None,
                 'torchcompile_mode': args.compile_mode, 'reparam': bool(args.reparam or args.weights),
                 'weights': args.weights, 'device': str(device),
-                'device_name': torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor(),
+                'device_name': torch.cuda.get_device_name(device) if device.type == 'cuda' else
+                platform.processor() or platform.machine(),
                 'threads': None if device.type == 'cuda' else args.threads or torch.get_num_threads(),
                 'warmup': args.warmup, 'repeats': args.repeats, 'torch': torch.__version__, 'timm': timm.__version__}
     records = []
