@@ -65,6 +65,8 @@ CASES = [  # (what, command line with placeholders, extra setup)
     ('two sources of weights', 'export deit_tiny_patch16_224 --weights a.safetensors --checkpoint RUN/last.pth '
                                '--format onnx --out OUT.onnx'),
     ('contradictory flags', 'bench deit_tiny_patch16_224 --reparam --train'),
+    ('compile mode without --compile', 'bench deit_tiny_patch16_224 --compile-mode max-autotune'),
+    ('format and file name disagree', 'export deit_tiny_patch16_224 --format pt2 --out OUT.onnx'),
     ('unknown model', 'profile deit_tiny_patch16'),
 ]
 

@@ -10,9 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 
 import vitblocks.cli as cli
+from vitblocks.deploy.io import save_deployed
 from vitblocks.profile import fixed_threads
 
 from _train_helpers import tiny_dataset
@@ -87,6 +89,9 @@ def scratch(tmp_path_factory):
     # the `vitblocks convert` examples read a file in the layout and size of the authors' RePaViT-Tiny
     _save_like_the_authors(work, repavit_state_dict(dim=192, depth=12, patch=16, img=224, classes=1000),
                            'RePaViT_Tiny.pth')
+    # the `vitblocks bench --weights` example reads a deployed 32 px, 10-class RePa-DeiT-Ti (docs/cli.md)
+    save_deployed(timm.create_model('repa_deit_tiny_patch16_224', img_size=32, num_classes=10),
+                  work / 'repa_t32.safetensors')
     return work, root, {'cwd': work}
 
 

@@ -1,4 +1,4 @@
-"""Deployed RePa models: safetensors save/load, ONNX (checked in onnxruntime) and TorchScript export.
+"""Deployed RePa models: safetensors save/load, torch.export (.pt2), ONNX (checked in onnxruntime) and TorchScript.
 
 Every model has its BatchNorm statistics and affine parameters randomized before it is deployed
 (default BatchNorm is an identity and would hide a wrong fold or a wrong load).
@@ -16,13 +16,15 @@ import vitblocks  # noqa: F401  (registers the repa_* models)
 from vitblocks.cli import main
 from vitblocks.deploy import reparameterize
 from vitblocks.deploy import io as deploy_io
-from vitblocks.deploy.export import check_export, export_onnx, export_torchscript
-from vitblocks.deploy.io import FORMAT, DeployedCheckpointError, load_deployed, read_deployed_metadata, save_deployed
+from vitblocks.deploy.export import check_export, export_onnx, export_pt2, export_torchscript
+from vitblocks.deploy.io import (FORMAT, DeployedCheckpointError, load_deployed, read_deployed_metadata, save_deployed,
+                                write_safetensors)
 from vitblocks.layers import RePaDeployedFFN, RePaFFN
 from _helpers import randomize_batchnorm_
 
 # torch.jit.trace/save/load and the TorchScript-based ONNX exporter are deprecated in torch 2.x; tested on purpose
 pytestmark = [pytest.mark.filterwarnings('ignore:`torch.jit.*` is deprecated:FutureWarning'),
+              pytest.mark.filterwarnings('ignore:export_torchscript is deprecated:DeprecationWarning'),
               pytest.mark.filterwarnings('ignore:You are using the legacy TorchScript-based ONNX export'),
               pytest.mark.filterwarnings('ignore:The feature will be removed:DeprecationWarning')]
 
@@ -135,7 +137,7 @@ def saved(tmp_path):
     ('truncated', 'not a readable safetensors file'),
     ('foreign', 'not a vitblocks deployed checkpoint'),
     ('other_model', 'holds weights of repa_deit_tiny_patch16_224, not repa_deit_small_patch16_224'),
-    ('other_num_classes', 'does not fit'),
+    ('other_num_classes', 'was saved with num_classes=10, not 7; drop num_classes'),
 ])
 def test_bad_checkpoints_are_clear_errors(saved, tmp_path, case, message):
     name, kwargs = 'repa_deit_tiny_patch16_224', dict(SMALL['repa_deit_tiny_patch16_224'][0])
@@ -155,7 +157,63 @@ def test_bad_checkpoints_are_clear_errors(saved, tmp_path, case, message):
         load_deployed(name, path, **kwargs)
 
 
+def test_the_file_records_its_sizes_and_loads_by_name_alone(tmp_path):
+    """num_classes, img_size and in_chans come from the file: no sizes repeated, not even the name."""
+    model = timm.create_model('repa_deit_tiny_patch16_224', img_size=48, num_classes=7, in_chans=1).eval()
+    randomize_batchnorm_(model)
+    path = save_deployed(model, tmp_path / 'm.safetensors')
+    meta = read_deployed_metadata(path)
+    assert (json.loads(meta['num_classes']), json.loads(meta['img_size']), json.loads(meta['in_chans'])) == \
+        (7, [48, 48], 1)
+    loaded = load_deployed(None, path)  # the name recorded in the file
+    assert loaded.num_classes == 7 and loaded.patch_embed.img_size == (48, 48)
+    x = torch.randn(2, 1, 48, 48)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), reparameterize(model)(x))
+    assert load_deployed('repa_deit_tiny_patch16_224', path, img_size=(48, 48), num_classes=7).num_classes == 7
+    with pytest.raises(DeployedCheckpointError, match='was saved with img_size=\\[48, 48\\], not 32; drop img_size'):
+        load_deployed('repa_deit_tiny_patch16_224', path, img_size=32)
+
+
+def test_a_file_without_sizes_loads_with_the_sizes_given(tmp_path):
+    """Files written before the sizes were recorded: the sizes given are used; none given is a clear error."""
+    name, kwargs = 'repa_deit_tiny_patch16_224', dict(img_size=32, num_classes=10)
+    deployed = reparameterize(timm.create_model(name, depth=2, **kwargs))
+    old = write_safetensors(deployed, tmp_path / 'old.safetensors', {'format': FORMAT, 'architecture': name})
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(load_deployed(name, old, depth=2, **kwargs)(x), deployed(x))
+    with pytest.raises(DeployedCheckpointError, match='records no sizes .* pass the num_classes / img_size / in_chans'):
+        load_deployed(name, old, depth=2)
+
+
 # --- export --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('name', [n if 'deit' in n else pytest.param(n, marks=pytest.mark.slow) for n in sorted(SMALL)])
+def test_pt2_round_trip_equals_eager(name, tmp_path):
+    """torch.export + torch.export.save, loaded back: the same outputs as the eager deployed model, any batch."""
+    model, size = _trained(name)
+    deployed = reparameterize(model)
+    path = export_pt2(deployed, tmp_path / 'm.pt2', input_size=size, batch_size=2)
+    program = torch.export.load(str(path)).module()
+    with torch.no_grad():
+        for batch in (1, 3):  # not the example batch 2: the batch dimension is dynamic
+            x = torch.randn(batch, *size)
+            assert torch.allclose(program(x), deployed(x), rtol=1e-5, atol=1e-6)
+    assert check_export(path, deployed, input_size=size) < 1e-5
+
+
+@pytest.mark.skipif(not _has('onnx', 'onnxscript', 'onnxruntime'), reason='needs onnx, onnxscript and onnxruntime')
+def test_onnx_external_data_round_trip(tmp_path):
+    """Weights as external data (what models above 2 GB get): two files, and onnxruntime reads both."""
+    model, size = _trained('repa_deit_tiny_patch16_224')
+    deployed = reparameterize(model)
+    path = export_onnx(deployed, tmp_path / 'm.onnx', input_size=size, external_data=True)
+    data = tmp_path / 'm.onnx.data'
+    assert data.is_file() and data.stat().st_size > path.stat().st_size  # the weights are in the .data file
+    assert check_export(path, deployed, input_size=size) < 1e-4
+
+
 
 _ONNX_CASES = [
     pytest.param('repa_deit_tiny_patch16_224', True, id='deit-dynamo',
@@ -210,14 +268,37 @@ def _cli(capsys, *argv):
 
 
 def test_cli_exports_deployed_weights_and_checks(tmp_path, capsys):
-    weights = save_deployed(timm.create_model('repa_deit_tiny_patch16_224'), tmp_path / 'w.safetensors')
+    """A deployed file of a 32 px, 10-class model exports by name alone: the sizes come from the file."""
+    out = tmp_path / 'm.pt2'
+    small = save_deployed(timm.create_model('repa_deit_tiny_patch16_224', img_size=32, num_classes=10),
+                          tmp_path / 's.safetensors')
+    code, text, err = _cli(capsys, 'repa_deit_tiny_patch16_224', '--weights', str(small), '--format', 'pt2',
+                           '--out', str(out), '--batch-size', '1', '--check')
+    assert code == 0 and out.is_file(), err
+    assert 'deployed' in text and 'input 1x3x32x32' in text and 'torch.export.load, batch 2' in text
+    assert float(text.split('max abs error ')[1].split()[0]) < 1e-5
+
+
+def test_cli_torchscript_still_works_with_a_deprecation_warning(tmp_path, capsys):
     out = tmp_path / 'm.pt'
-    code, text, _ = _cli(capsys, 'repa_deit_tiny_patch16_224', '--weights', str(weights), '--format', 'torchscript',
-                         '--out', str(out), '--batch-size', '1', '--check')
+    code, text, err = _cli(capsys, 'deit_tiny_patch16_224', '--img-size', '32', '--num-classes', '10', '--format',
+                           'torchscript', '--out', str(out), '--batch-size', '1', '--check')
     assert code == 0 and out.is_file()
-    assert 'deployed' in text and 'check: max abs error' in text
-    err = float(text.split('max abs error ')[1].split()[0])
-    assert err < 1e-5
+    assert '--format torchscript is deprecated' in err and 'use --format pt2' in err
+    assert float(text.split('max abs error ')[1].split()[0]) < 1e-5
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--format', 'pt2', '--out', 'm.pt'], '--format pt2 writes a .pt2 file; name --out m.pt2'),
+    (['--format', 'onnx', '--out', 'm.pt2'], '--format onnx writes a .onnx file; name --out m.onnx'),
+    (['--format', 'torchscript', '--out', 'm.pt2'], 'not .pt2; name --out *.pt'),
+    (['--format', 'pt2', '--out', 'm.pt2', '--opset', '17'], '--opset is an ONNX option'),
+    (['--format', 'pt2', '--out', 'm.pt2', '--onnx-exporter', 'legacy'], '--onnx-exporter is an ONNX option'),
+])
+def test_cli_contradictory_format_options_are_one_line_errors(tmp_path, capsys, argv, message):
+    code, out, err = _cli(capsys, 'deit_tiny_patch16_224', *argv)
+    assert code == 2 and out == '' and len(err.strip().splitlines()) == 1
+    assert message in err
 
 
 def test_cli_bad_weights_is_a_one_line_user_error(tmp_path, capsys):

@@ -14,12 +14,9 @@ import yaml
 from torch import nn
 
 from ..data import DataError, build_dataset, build_pil_transform, eval_split_of
-from ..experiments import CheckpointError, ConfigError, load_model_weights, merge
-from ..experiments.checkpoint import FORMAT, read_checkpoint
-from ..experiments.setup import create_model
 from ..profile import input_size_of
 from . import analyze_run
-from .common import CliError, build_model, parse_block_cfg, positive_int, resolve
+from .common import CliError, build_model, load_trained_model, parse_block_cfg, positive_int, resolve
 
 NAME = 'analyze'
 
@@ -98,27 +95,7 @@ def load_model(name: str, checkpoint: Optional[str], block_cfg, input_size, mode
         size = tuple(input_size) if input_size else _input_size(model)
         return Loaded(name, f'{name} (random init)', model, size, None, None)
     path = Path(checkpoint)
-    if not path.is_file():
-        raise CliError(f'--checkpoint {checkpoint}: no such file')
-    try:
-        raw = read_checkpoint(path) if path.suffix != '.safetensors' else None
-        meta = raw if isinstance(raw, dict) and raw.get('format') == FORMAT else {}
-        state = load_model_weights(path)
-        if meta:
-            cfg = merge(meta['config'])
-            if resolve(cfg.model) != name:
-                raise CliError(f'{path} was trained as {cfg.model}, not {name}; name that model')
-            if block_cfg or model_kwargs:
-                raise CliError(f'{path} is a vitblocks run checkpoint: it rebuilds its model as trained; '
-                               f'drop --block-cfg/--model-kwargs')
-            model = create_model(cfg, meta['num_classes']).eval()
-        else:
-            model = build_model(name, block_cfg, model_kwargs)
-        model.load_state_dict(state)
-    except (CheckpointError, ConfigError) as e:
-        raise CliError(str(e)) from None
-    except RuntimeError as e:
-        raise CliError(f'cannot load {path} into {name}: {str(e).splitlines()[0][:200]}') from None
+    model, meta = load_trained_model(name, path, block_cfg, model_kwargs, overrides='--block-cfg/--model-kwargs')
     size = tuple(input_size) if input_size else tuple(meta.get('input_size') or _input_size(model))
     mean, std = (tuple(meta['mean']), tuple(meta['std'])) if meta.get('mean') else (None, None)
     return Loaded(name, f'{name} ({path})', model, size, mean, std)

@@ -1,10 +1,18 @@
 """`vitblocks bench MODEL [--baseline MODEL]`: latency and throughput, measured interleaved."""
+import json
+import platform
+from pathlib import Path
+
+import timm
 import torch
 from timm.utils import reparameterize_model
 
-from ..profile import benchmark_models, input_size_of
-from .common import (CliError, add_model_size_args, build_model, model_size_kwargs, non_negative_int, parse_block_cfg,
-                     positive_int, render_table, resolve)
+from ..deploy.io import model_sizes
+from ..profile import (AMP_DTYPES, COMPILE_MODES, BenchOptionError, benchmark_models, check_bench_options,
+                       count_params, input_size_of, timm_record)
+from .common import (CliError, add_model_size_args, build_model, check_writable_file, model_size_kwargs,
+                     non_negative_int, parse_block_cfg, positive_int, render_table, resolve)
+from .export import deployed_model
 
 NAME = 'bench'
 
@@ -14,12 +22,19 @@ examples:
   vitblocks bench iffn_deit_tiny_patch16_224 --baseline deit_tiny_patch16_224 --reparam --batch-size 8 --threads 1
   vitblocks bench iffn_poolformer_s12 --train --batch-size 16 --repeats 5
   vitblocks bench deit_tiny_patch16_224 --img-size 32 --num-classes 10 --batch-size 64
+  vitblocks bench repa_deit_base_patch16_224 --baseline deit_base_patch16_224 --reparam --device cuda \\
+      --batch-size 128 --amp bf16 --compile --json repa_b.json
+  vitblocks bench repa_deit_tiny_patch16_224 --weights deployed.safetensors --baseline deit_tiny_patch16_224
 
---num-classes / --img-size build MODEL and the baseline alike.
+--num-classes / --img-size build MODEL and the baseline alike; --weights (a deployed safetensors file,
+implies --reparam) brings its own, which the baseline is then built with.
 
-Models run one timed batch each per round (interleaved), so machine drift hits them alike.
-Times are wall-clock ms per batch (median, p10, p90 over --repeats batches); images/s is
-batch size / median. "vs baseline" is median time / baseline median time (< 1 is faster).
+Models run one timed batch each per round (interleaved), so machine drift hits them alike. Times are
+ms per batch (median, p10, p90 over --repeats batches): wall clock on the CPU, CUDA events on a GPU
+(after synchronizing). images/s is batch size / median. "vs baseline" is median time / baseline
+median time (< 1 is faster). --compile compiles each model first (the first call, timed apart);
+--json writes one record per model with timm benchmark.py's fields (infer_samples_per_sec,
+infer_step_time, ..., param_count: timm's samples/s is batch / mean time) plus ours.
 """
 
 
@@ -42,44 +57,110 @@ def add_parser(subparsers) -> None:
     p.add_argument('--reparam', action='store_true',
                    help='deploy every model first with timm.utils.reparameterize_model (calls fuse(); IFFN folds '
                         'its BatchNorm into the depthwise conv)')
+    p.add_argument('--weights', metavar='PATH',
+                   help='a deployed safetensors file of MODEL (vitblocks.deploy.io.save_deployed); implies --reparam')
     p.add_argument('--train', action='store_true', help='time forward + backward in train mode')
-    p.add_argument('--device', default='cpu', help='cpu (default) or cuda')
+    p.add_argument('--device', default='cpu', help='cpu (default), cuda or cuda:N')
+    p.add_argument('--amp', choices=tuple(AMP_DTYPES), help='run under torch.autocast in bfloat16 or float16')
+    p.add_argument('--channels-last', action='store_true', help='model and input in channels-last memory format')
+    p.add_argument('--compile', action='store_true', help='torch.compile every model (inductor) before timing')
+    p.add_argument('--compile-mode', choices=COMPILE_MODES, help="torch.compile's mode (default: torch's default)")
+    p.add_argument('--json', metavar='PATH', help="also write the results as JSON, in timm benchmark.py's fields")
     p.add_argument('--block-cfg', nargs='+', metavar='KEY=VALUE',
                    help='override the block config of MODEL (a vitblocks model), e.g. kernel_size=5')
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
-    name = resolve(args.model)
-    baseline = resolve(args.baseline) if args.baseline else None
-    if args.device.startswith('cuda') and not torch.cuda.is_available():
-        raise CliError(f'--device {args.device}: CUDA is not available here; use --device cpu')
+def _check_args(args) -> None:
     if args.reparam and args.train:
         raise CliError('--reparam gives an inference-only model; drop --train or --reparam')
+    if args.weights and args.train:
+        raise CliError('--weights loads a deployed (inference-only) model; drop --train or --weights')
+    try:
+        check_bench_options(args.device, args.amp, args.compile, args.compile_mode)
+    except BenchOptionError as e:
+        reason = e.reason.replace('add compile', 'add --compile')
+        raise CliError(f'--{e.option.replace("_", "-")} {e.value}: {reason}') from None
+    if args.json:
+        check_writable_file(Path(args.json), '--json')  # before the run, not after it
+
+
+def _models(args, name, baseline):
     size_kwargs = model_size_kwargs(args)
-    models = {name: build_model(name, parse_block_cfg(args.block_cfg), size_kwargs)}
+    block_cfg = parse_block_cfg(args.block_cfg)
+    if args.weights:
+        model = deployed_model(name, args.weights, block_cfg, size_kwargs)
+        size_kwargs = model_sizes(model)  # the baseline is built at the file's sizes
+    else:
+        model = build_model(name, block_cfg, size_kwargs)
+    models = {name: model}
     if baseline:
         models[f'{baseline} (baseline)'] = build_model(baseline, base_kwargs=size_kwargs)
     if args.reparam:
         models = {k: reparameterize_model(m.eval()) for k, m in models.items()}
+    return models
+
+
+def run(args) -> int:
+    _check_args(args)
+    name = resolve(args.model)
+    baseline = resolve(args.baseline) if args.baseline else None
+    models = _models(args, name, baseline)
+    params = {k: count_params(m) for k, m in models.items()}  # before compiling (and timm counts them so too)
     size = tuple(args.input_size) if args.input_size else input_size_of(models[name])
     try:
         results = benchmark_models(models, batch_size=args.batch_size, input_size=size, warmup=args.warmup,
-                                   repeats=args.repeats, num_threads=args.threads, device=args.device, train=args.train)
+                                   repeats=args.repeats, num_threads=args.threads, device=args.device,
+                                   train=args.train, amp=args.amp, channels_last=args.channels_last,
+                                   compile=args.compile, compile_mode=args.compile_mode)
     except (AssertionError, RuntimeError, ValueError) as e:  # e.g. a fixed-size ViT given --input-size 3 64 64
-        raise CliError(f'forward on a {"x".join(map(str, size))} input failed: {type(e).__name__}: {e}') from None
-    threads = args.threads or torch.get_num_threads()
+        raise CliError(f'forward on a {"x".join(map(str, size))} input failed: {type(e).__name__}: '
+                       f'{" ".join(str(e).split())[:300]}') from None
+    device = torch.device(args.device)
+    where = (f'{args.device} ({torch.cuda.get_device_name(device)})' if device.type == 'cuda' else
+             f'cpu, {args.threads or torch.get_num_threads()} threads')
     mode = 'train (forward + backward)' if args.train else 'inference (eval + torch.inference_mode)'
-    print(f'batch {args.batch_size} x {size[0]}x{size[1]}x{size[2]} on {args.device}, {threads} threads, {mode}'
-          f'{", reparameterized" if args.reparam else ""}')
-    print(f'{args.warmup} warm-up + {args.repeats} timed batches per model, interleaved; times in ms per batch')
+    options = [f'amp {args.amp}' if args.amp else 'fp32', 'channels-last' if args.channels_last else '',
+               f'torch.compile (mode {args.compile_mode or "default"})' if args.compile else '',
+               'reparameterized' if args.reparam or args.weights else '']
+    print(f'batch {args.batch_size} x {size[0]}x{size[1]}x{size[2]} on {where}, {mode}, '
+          f'{", ".join(o for o in options if o)}')
+    print(f'{args.warmup} warm-up + {args.repeats} timed batches per model, interleaved; times in ms per batch'
+          + (', CUDA events' if device.type == 'cuda' else ''))
+    if args.compile:
+        print('compile (first call): ' + ', '.join(f'{k} {r.compile_s:.1f} s' for k, r in results.items()))
 
-    ref = results[f'{baseline} (baseline)'].median_ms if baseline else None
+    ref = results[f'{baseline} (baseline)'] if baseline else None
     rows = []
     for label, r in results.items():
-        ratio = f'{r.median_ms / ref:.2f}x' if ref else '-'
+        ratio = f'{r.median_ms / ref.median_ms:.2f}x' if ref else '-'
         rows.append([label, f'{r.median_ms:.1f}', f'{r.p10_ms:.1f}', f'{r.p90_ms:.1f}', f'{r.images_per_s:.1f}',
                      ratio])
     print('\n'.join(render_table(['model', 'median ms', 'p10 ms', 'p90 ms', 'images/s', 'vs baseline'], rows,
                                  'lrrrrr')))
+    if args.json:
+        _write_json(args, results, params, size, ref, device)
     return 0
+
+
+def _write_json(args, results, params, size, ref, device) -> None:
+    """One timm-style record per model, with the run's settings in timm's vocabulary."""
+    settings = {'precision': {'bf16': 'amp_bfloat16', 'fp16': 'amp'}.get(args.amp, 'float32'),  # timm's names
+                'channels_last': args.channels_last, 'torchcompile': 'inductor' if args.compile else None,
+                'torchcompile_mode': args.compile_mode, 'reparam': bool(args.reparam or args.weights),
+                'weights': args.weights, 'device': str(device),
+                'device_name': torch.cuda.get_device_name(device) if device.type == 'cuda' else
+                platform.processor() or platform.machine(),
+                'threads': None if device.type == 'cuda' else args.threads or torch.get_num_threads(),
+                'warmup': args.warmup, 'repeats': args.repeats, 'torch': torch.__version__, 'timm': timm.__version__}
+    records = []
+    for label, r in results.items():
+        record = timm_record(r, params[label], size[-1], args.train, ref)
+        record.update(model=label.removesuffix(' (baseline)'), baseline=label.endswith(' (baseline)'), **settings)
+        records.append(record)
+    try:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    except OSError as e:
+        raise CliError(f'--json {args.json}: cannot write it ({e.strerror or e}); the results are printed above') \
+            from None
+    print(f'wrote {args.json} ({len(records)} records)')

@@ -3,18 +3,22 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import timm
 import yaml
 from torch import nn
 
+from ..experiments import CheckpointError, ConfigError, load_model_weights, merge
+from ..experiments.checkpoint import FORMAT as RUN_FORMAT, read_checkpoint
 from ..experiments.schema import yaml_load
+from ..experiments.setup import create_model
 from ..models import get_variant, list_models, resolve_model_name, swap_ffn
 
 __all__ = ['CliError', 'ArgumentParser', 'resolve', 'is_vitblocks_model', 'build_model', 'describe_model',
            'format_cfg', 'parse_block_cfg', 'positive_int', 'non_negative_int', 'render_table', 'progress',
-           'end_progress', 'check_writable_dir', 'check_writable_file', 'add_model_size_args', 'model_size_kwargs']
+           'end_progress', 'check_writable_dir', 'check_writable_file', 'add_model_size_args', 'model_size_kwargs',
+           'load_trained_model']
 
 
 class CliError(Exception):
@@ -146,6 +150,42 @@ def build_model(name: str, block_cfg: Optional[Dict[str, Any]] = None, base_kwar
     except (TypeError, ValueError, KeyError, RuntimeError) as e:
         raise CliError(f'cannot build {what}: {type(e).__name__}: {e}') from None
     return model.eval()
+
+
+def load_trained_model(name: str, path: Path, block_cfg: Optional[Dict[str, Any]] = None,
+                       base_kwargs: Optional[Dict[str, Any]] = None,
+                       overrides: str = '--block-cfg / --num-classes / --img-size') -> Tuple[nn.Module, Dict[str, Any]]:
+    """``(model in eval mode with the trained weights of path, run metadata or {})``.
+
+    A vitblocks run checkpoint (``last.pth`` / ``best.pth``) rebuilds its model as it was trained
+    (config, classes; the metadata also carries the input size and normalization), so
+    ``block_cfg`` / ``base_kwargs`` must be empty; any other checkpoint (``.safetensors``, a timm
+    ``.pth``, a bare state dict) is loaded into ``name`` built with them. ``overrides``: the
+    command's flags for those, named in the errors.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CliError(f'--checkpoint {path}: no such file')
+    try:
+        raw = read_checkpoint(path) if path.suffix != '.safetensors' else None
+        meta = raw if isinstance(raw, dict) and raw.get('format') == RUN_FORMAT else {}
+        if meta:
+            cfg = merge(meta['config'])
+            if resolve(cfg.model) != name:
+                raise CliError(f'{path} was trained as {cfg.model}, not {name}; name that model')
+            if block_cfg or base_kwargs:
+                raise CliError(f'{path} is a vitblocks run checkpoint: it rebuilds its model as trained; drop '
+                               f'{overrides}')
+            model, state = create_model(cfg, meta['num_classes']), meta['model']
+        else:
+            model, state = build_model(name, block_cfg, base_kwargs), load_model_weights(path)
+        model.load_state_dict(state)
+    except (CheckpointError, ConfigError) as e:
+        raise CliError(str(e)) from None
+    except RuntimeError as e:  # missing / unexpected keys, shape mismatch
+        raise CliError(f'cannot load {path} into {name}: {" ".join(str(e).split())[:200]}; check {overrides}') \
+            from None
+    return model.eval(), meta
 
 
 def describe_model(name: str, block_cfg: Optional[Dict[str, Any]] = None) -> str:

@@ -1,16 +1,21 @@
-"""Export a deployed model to ONNX or TorchScript, and check the export against PyTorch.
+"""Export a deployed model to a torch.export program (.pt2) or ONNX, and check the export against PyTorch.
 
     from vitblocks.deploy import reparameterize
-    from vitblocks.deploy.export import check_export, export_onnx
+    from vitblocks.deploy.export import check_export, export_onnx, export_pt2
 
     deployed = reparameterize(model)                       # fuse first: the export is what you run
+    path = export_pt2(deployed, 'repa_deit_b.pt2')         # torch.export + torch.export.save, dynamic batch
+    max_abs_error = check_export(path, deployed)           # torch.export.load vs eager on a random batch
     path = export_onnx(deployed, 'repa_deit_b.onnx')       # batch dimension dynamic
     max_abs_error = check_export(path, deployed)           # onnxruntime vs PyTorch on a random batch
 
-ONNX needs the ``onnx`` package; torch's default exporter (``dynamo=True``, via
-``torch.export``) also needs ``onnxscript``; ``dynamo=False`` selects torch's TorchScript-based
-exporter instead. Checking an ONNX file needs ``onnxruntime``. TorchScript uses
-``torch.jit.trace`` (shapes are fixed at trace time except the batch dimension of plain ViTs).
+``.pt2`` files load with ``torch.export.load(path).module()`` (no Python model code needed) and
+feed ``torch.compile`` / AOTInductor. ONNX needs the ``onnx`` package; torch's default exporter
+(``dynamo=True``, via ``torch.export``) also needs ``onnxscript``, and writes the weights to a
+``<file>.data`` file beside the model when they exceed protobuf's 2 GB limit (ViT-H);
+``dynamo=False`` selects torch's TorchScript-based exporter instead. Checking an ONNX file needs
+``onnxruntime``. TorchScript (``torch.jit.trace``, deprecated in torch 2.x) is kept for existing
+users: :func:`export_torchscript` warns and points to :func:`export_pt2`.
 The command line is ``vitblocks export``.
 """
 import importlib.util
@@ -23,9 +28,11 @@ from torch import nn
 
 from ..profile import input_size_of
 
-__all__ = ['export_onnx', 'export_torchscript', 'check_export', 'example_input', 'ExportDependencyError', 'FORMATS']
+__all__ = ['export_pt2', 'export_onnx', 'export_torchscript', 'check_export', 'example_input', 'ExportDependencyError',
+           'FORMATS', 'ONNX_PROTOBUF_LIMIT', 'weight_bytes']
 
-FORMATS = ('onnx', 'torchscript')
+FORMATS = ('pt2', 'onnx', 'torchscript')  # torchscript: deprecated, kept for existing users
+ONNX_PROTOBUF_LIMIT = 2 ** 31  # bytes; an ONNX file holding more weights must keep them as external data
 
 PathLike = Union[str, Path]
 
@@ -57,9 +64,43 @@ def _prepare(model: nn.Module, path: PathLike) -> Path:
     return path
 
 
+def _batch_dim() -> dict:
+    return {0: torch.export.Dim('batch')}  # the batch dimension symbolic (batch 1 runs too)
+
+
+def _example_batch(batch_size: int, dynamic_batch: bool) -> int:
+    """torch.export specializes a size-1 dimension to the constant 1, so a dynamic batch is traced
+    with an example batch of at least 2 (the exported program still runs batch 1)."""
+    return max(batch_size, 2) if dynamic_batch else batch_size
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (what an export stores)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+@torch.no_grad()
+def export_pt2(model: nn.Module, path: PathLike, input_size: Optional[Sequence[int]] = None, batch_size: int = 2,
+               dynamic_batch: bool = True) -> Path:
+    """Export ``model`` (eval mode; deploy it first) with ``torch.export.export`` and write the
+    program with ``torch.export.save`` (load it with ``torch.export.load(path).module()``).
+
+    Args:
+        input_size: ``(C, H, W)`` (default: the model's config).
+        batch_size: batch of the example input (at least 2 with ``dynamic_batch``, see above).
+        dynamic_batch: leave the batch dimension symbolic, so any batch size runs.
+    """
+    path = _prepare(model, path)
+    x = example_input(model, input_size, _example_batch(batch_size, dynamic_batch))
+    program = torch.export.export(model, (x,), dynamic_shapes=(_batch_dim(),) if dynamic_batch else None)
+    torch.export.save(program, str(path))
+    return path
+
+
 @torch.no_grad()
 def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[int]] = None, batch_size: int = 2,
-                dynamic_batch: bool = True, opset: Optional[int] = None, dynamo: bool = True) -> Path:
+                dynamic_batch: bool = True, opset: Optional[int] = None, dynamo: bool = True,
+                external_data: Optional[bool] = None) -> Path:
     """Export ``model`` (eval mode; deploy it first) to an ONNX file with input ``input`` and output ``output``.
 
     Args:
@@ -69,17 +110,24 @@ def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[
         opset: ONNX opset (default: the exporter's).
         dynamo: torch's ``torch.export``-based exporter (default; needs ``onnxscript``);
             ``False`` selects the TorchScript-based one.
+        external_data: (dynamo exporter) write the weights to ``<path>.data`` beside the model
+            file. Default: only when they exceed protobuf's 2 GB limit, so smaller models stay one
+            self-contained file. Keep the two files together; onnxruntime reads both.
     """
     _require('onnx', *(('onnxscript',) if dynamo else ()), purpose='ONNX export')
+    if external_data and not dynamo:
+        raise ValueError('external_data is an option of the dynamo exporter; drop it or use dynamo=True')
     path = _prepare(model, path)
-    x = example_input(model, input_size, batch_size)
+    x = example_input(model, input_size, _example_batch(batch_size, dynamic_batch and dynamo))
     kwargs = dict(input_names=['input'], output_names=['output'], opset_version=opset, dynamo=dynamo)
     if dynamic_batch and dynamo:
-        kwargs['dynamic_shapes'] = ({0: torch.export.Dim('batch')},)
+        kwargs['dynamic_shapes'] = (_batch_dim(),)
     elif dynamic_batch:
         kwargs['dynamic_axes'] = {'input': {0: 'batch'}, 'output': {0: 'batch'}}
     if dynamo:
-        kwargs.update(verbose=False, external_data=False)  # one self-contained file (under 2 GB)
+        if external_data is None:
+            external_data = weight_bytes(model) >= ONNX_PROTOBUF_LIMIT
+        kwargs.update(verbose=False, external_data=external_data)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', torch.jit.TracerWarning)  # timm's shape asserts, constant when traced
         torch.onnx.export(model, (x,), str(path), **kwargs)
@@ -89,7 +137,11 @@ def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[
 @torch.no_grad()
 def export_torchscript(model: nn.Module, path: PathLike, input_size: Optional[Sequence[int]] = None,
                        batch_size: int = 2) -> Path:
-    """Trace ``model`` (eval mode; deploy it first) with ``torch.jit.trace`` and save it to ``path``."""
+    """Trace ``model`` (eval mode; deploy it first) with ``torch.jit.trace`` and save it to ``path``.
+
+    Deprecated (torch 2.x deprecates TorchScript): use :func:`export_pt2`."""
+    warnings.warn('export_torchscript is deprecated (torch deprecates TorchScript); use export_pt2 '
+                  '(torch.export, a .pt2 file)', DeprecationWarning, stacklevel=2)
     path = _prepare(model, path)
     x = example_input(model, input_size, batch_size)
     with warnings.catch_warnings():
@@ -104,7 +156,8 @@ def check_export(path: PathLike, model: nn.Module, input_size: Optional[Sequence
                  batch_size: int = 3, seed: int = 0) -> float:
     """Max absolute difference between the exported file and ``model`` on one random batch.
 
-    ``.onnx`` files run in onnxruntime (CPU), anything else is loaded with ``torch.jit.load``.
+    ``.onnx`` files run in onnxruntime (CPU), ``.pt2`` files are loaded with ``torch.export.load``,
+    anything else with ``torch.jit.load``.
     The default batch differs from the export's example batch, so a batch dimension that was
     frozen at export time shows up as an error.
     """
@@ -120,6 +173,8 @@ def check_export(path: PathLike, model: nn.Module, input_size: Optional[Sequence
         session = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider'])
         name = session.get_inputs()[0].name
         got = torch.from_numpy(session.run(None, {name: x.to(p.dtype).numpy()})[0]).float()
+    elif path.suffix == '.pt2':
+        got = torch.export.load(str(path)).module()(x.to(p.device, p.dtype)).float().cpu()
     else:
         got = torch.jit.load(str(path), map_location=p.device)(x.to(p.device, p.dtype)).float().cpu()
     if got.shape != expected.shape:

@@ -1,15 +1,20 @@
 """Save and load deployed (re-parameterized) weights as safetensors files.
 
 A deployed checkpoint holds the state dict of a model in its inference form (every
-re-parameterizable layer fused) plus a little metadata: the format tag, the model name and,
-if given, the block config it was built with. It loads into a model built *directly* in
-deploy form, so no training-form weights are ever materialized::
+re-parameterizable layer fused) plus a little metadata: the format tag, the model name, the
+sizes it was built with (``num_classes``, ``in_chans`` and, for models that fix it, ``img_size``)
+and, if given, the block config. It loads into a model built *directly* in deploy form, so no
+training-form weights are ever materialized, and by the file alone: name and sizes come from it::
 
     from vitblocks.deploy import reparameterize
     from vitblocks.deploy.io import load_deployed, save_deployed
 
     save_deployed(reparameterize(trained), 'repa_deit_b.safetensors')       # atomic write
     model = load_deployed('repa_deit_base_patch16_224', 'repa_deit_b.safetensors')
+    model = load_deployed(None, 'repa_deit_b.safetensors')                  # the name recorded in the file
+
+Files written before the sizes were recorded still load when the sizes are given
+(``load_deployed(name, path, num_classes=10, img_size=32)``).
 
 Writes are atomic (a temporary file in the target directory, then ``os.replace``), so an
 interrupted save never leaves a truncated checkpoint under the final name. Reading a missing,
@@ -25,12 +30,14 @@ import timm
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
+from timm.layers import to_2tuple
 from torch import nn
 
-__all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'write_safetensors', 'DeployedCheckpointError',
-           'FORMAT']
+__all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'recorded_sizes', 'model_sizes',
+           'write_safetensors', 'DeployedCheckpointError', 'FORMAT', 'SIZE_KEYS']
 
 FORMAT = 'vitblocks.deployed/1'  # metadata['format'] of every file save_deployed writes
+SIZE_KEYS = ('num_classes', 'img_size', 'in_chans')  # timm kwargs a file records (JSON values in its metadata)
 
 PathLike = Union[str, os.PathLike]
 
@@ -71,9 +78,29 @@ def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
     deployed = _reparameterize(model, inplace=False)
     metadata = {'format': FORMAT, 'architecture': name or _architecture(model),
                 'torch': torch.__version__, 'timm': timm.__version__}
+    metadata.update({k: json.dumps(v) for k, v in model_sizes(deployed).items()})
     if block_cfg:
         metadata['block_cfg'] = json.dumps(block_cfg, sort_keys=True)
     return write_safetensors(deployed, path, metadata)
+
+
+def model_sizes(model: nn.Module) -> Dict[str, Any]:
+    """The timm kwargs that rebuild ``model``'s shape: classes, input channels, and the image size
+    when its patch embedding fixes one (ViT, Swin, Mixer; PoolFormer takes any size)."""
+    from ..profile import fixed_image_size, input_size_of  # profile imports deploy users; keep it lazy
+    sizes: Dict[str, Any] = {'in_chans': input_size_of(model)[0]}
+    if isinstance(getattr(model, 'num_classes', None), int):
+        sizes['num_classes'] = model.num_classes
+    img_size = fixed_image_size(model)
+    if img_size is not None:
+        sizes['img_size'] = list(img_size)
+    return sizes
+
+
+def recorded_sizes(metadata: Dict[str, str]) -> Dict[str, Any]:
+    """The sizes a deployed file records (``num_classes``, ``img_size``, ``in_chans``), as timm kwargs;
+    empty for files written before vitblocks recorded them."""
+    return {k: json.loads(metadata[k]) for k in SIZE_KEYS if k in metadata}
 
 
 def write_safetensors(model: nn.Module, path: PathLike, metadata: Dict[str, str]) -> Path:
@@ -121,30 +148,44 @@ def _build_deployed(name: str, block_cfg: Optional[Dict[str, Any]], **kwargs) ->
         name = resolve_model_name(name)
     except ValueError as e:
         raise DeployedCheckpointError(str(e)) from None
-    if name in list_models():
-        try:
-            return timm.create_model(name, block_cfg={**(block_cfg or {}), 'deploy': True}, **kwargs).eval()
-        except TypeError as e:
-            if 'deploy' not in str(e):
-                raise
-    elif block_cfg:
-        raise DeployedCheckpointError(f'block_cfg applies to vitblocks models only; {name} is a timm model')
-    return _reparameterize(timm.create_model(name, **kwargs), inplace=True)
+    try:
+        if name in list_models():
+            try:
+                return timm.create_model(name, block_cfg={**(block_cfg or {}), 'deploy': True}, **kwargs).eval()
+            except (TypeError, ValueError) as e:  # a method without a deploy option (MABViT raises ValueError)
+                if 'deploy' not in str(e):
+                    raise
+        elif block_cfg:
+            raise DeployedCheckpointError(f'block_cfg applies to vitblocks models only; {name} is a timm model')
+        return _reparameterize(timm.create_model(name, **kwargs), inplace=True)
+    except (TypeError, ValueError) as e:  # e.g. a recorded size or a block config the builder does not take
+        if isinstance(e, DeployedCheckpointError):
+            raise
+        raise DeployedCheckpointError(f'cannot build {name} with {kwargs or "its defaults"} and block config '
+                                      f'{block_cfg or {}}: {type(e).__name__}: {e}') from None
 
 
-def load_deployed(name_or_model: Union[str, nn.Module], path: PathLike, block_cfg: Optional[Dict[str, Any]] = None,
-                  device: Union[str, torch.device] = 'cpu', **kwargs) -> nn.Module:
+def _as_size(key: str, value: Any) -> Any:
+    """img_size 32, (32, 32) and [32, 32] are one size."""
+    return tuple(to_2tuple(value)) if key == 'img_size' else value
+
+
+def load_deployed(name_or_model: Union[str, nn.Module, None], path: PathLike,
+                  block_cfg: Optional[Dict[str, Any]] = None, device: Union[str, torch.device] = 'cpu',
+                  **kwargs) -> nn.Module:
     """Build a model in deploy form and load a deployed checkpoint into it (strict).
 
     Args:
         name_or_model: a timm / vitblocks model name, built directly in deploy form (RePa and
             IFFN models with ``block_cfg={'deploy': True}``, so no training-form weights are
-            created); or a model, which is re-parameterized in place first if it is still in
-            training form, then loaded into.
+            created); ``None`` for the name recorded in the file; or a model, which is
+            re-parameterized in place first if it is still in training form, then loaded into.
         path: a file written by :func:`save_deployed`.
         block_cfg: block config of the model (default: the one recorded in the file, if any).
         device: where the weights are loaded.
-        **kwargs: timm kwargs for building by name (``num_classes``, ``img_size``, ...).
+        **kwargs: timm kwargs for building by name. ``num_classes``, ``img_size`` and ``in_chans``
+            default to the file's; giving another value than the file records is an error. Files
+            written before the sizes were recorded need them here if they are not the defaults.
 
     Returns:
         The model with the checkpoint's weights, in eval mode.
@@ -152,12 +193,22 @@ def load_deployed(name_or_model: Union[str, nn.Module], path: PathLike, block_cf
     path = Path(path)
     metadata = read_deployed_metadata(path)
     saved = metadata.get('architecture', '')
+    recorded = recorded_sizes(metadata)
+    if name_or_model is None:
+        if not saved:
+            raise DeployedCheckpointError(f'{path} records no model name; pass the name it was saved from')
+        name_or_model = saved
     if isinstance(name_or_model, str):
         if saved and saved != name_or_model and saved.split('.')[0] != name_or_model.split('.')[0]:
             raise DeployedCheckpointError(f'{path} holds weights of {saved}, not {name_or_model}; '
                                           f'pass {saved!r} (or build the model yourself and pass it)')
+        for key, value in recorded.items():
+            given = kwargs.get(key, value)
+            if _as_size(key, given) != _as_size(key, value):
+                raise DeployedCheckpointError(f'{path} was saved with {key}={value}, not {given}; drop {key} (the '
+                                              f'file sets it)')
         cfg = block_cfg if block_cfg is not None else json.loads(metadata.get('block_cfg', '{}'))
-        model = _build_deployed(name_or_model, cfg, **kwargs)
+        model = _build_deployed(name_or_model, cfg, **{**kwargs, **recorded})
         what = name_or_model
     else:
         model = _reparameterize(name_or_model, inplace=True)
@@ -169,7 +220,9 @@ def load_deployed(name_or_model: Union[str, nn.Module], path: PathLike, block_cf
                                       f're-save it with vitblocks.deploy.io.save_deployed') from None
     except RuntimeError as e:  # missing / unexpected keys or shape mismatch
         detail = ' '.join(str(e).split())
+        hint = ('Was it saved from another model or block config (idle_ratio?)' if recorded else
+                'It records no sizes (written before vitblocks recorded them): pass the num_classes / img_size / '
+                'in_chans it was built with; or was it saved from another model or block config (idle_ratio?)')
         raise DeployedCheckpointError(
-            f'{path} ({saved or "unknown model"}) does not fit {what} in deploy form: {detail[:500]}. '
-            f'Was it saved from another model, block config (idle_ratio?) or num_classes?') from None
+            f'{path} ({saved or "unknown model"}) does not fit {what} in deploy form: {detail[:500]}. {hint}') from None
     return model.to(device).eval()

@@ -2,18 +2,35 @@
 
 Models are measured interleaved (one timed batch of each model per round), so slow drift of
 the machine (thermal, other load) affects every model alike and ratios stay fair.
-Times are wall-clock milliseconds per batch; throughput is images per second.
+Times are milliseconds per batch; throughput is images per second.
+
+How each batch is timed depends on the device (:func:`step_timer`): on CUDA a pair of CUDA
+events around the step on the current stream, read after synchronizing (what the GPU spent,
+launch gaps included); on the CPU the wall clock. ``torch.utils.benchmark.Timer`` is not used
+underneath: its ``timeit`` runs at least two untimed calls before every measurement, which would
+triple the cost of the one-batch rounds that keep the interleaving fair.
+
+Options a deployment uses are measured as such: ``amp`` (``torch.autocast`` in bfloat16 or
+float16), ``channels_last`` (model and input in NHWC memory format) and ``compile``
+(``torch.compile``; the first call, which compiles, is timed separately as ``compile_s``).
+:func:`check_bench_options` rejects combinations that would silently measure something else.
 """
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-__all__ = ['LatencyResult', 'benchmark_models', 'fixed_threads']
+__all__ = ['LatencyResult', 'benchmark_models', 'fixed_threads', 'check_bench_options', 'BenchOptionError',
+           'step_timer', 'AMP_DTYPES',
+           'COMPILE_MODES', 'WallTimer', 'CudaEventTimer', 'timm_record']
+
+AMP_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
+# torch.compile's modes (timm's benchmark.py passes its --torchcompile-mode through the same way)
+COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
 
 
 @dataclass
@@ -21,10 +38,16 @@ class LatencyResult:
     name: str
     batch_size: int
     times_ms: List[float]
+    compile_s: Optional[float] = None  # the first (compiling) call, with compile=True
 
     @property
     def median_ms(self) -> float:
         return statistics.median(self.times_ms)
+
+    @property
+    def mean_ms(self) -> float:
+        """timm's ``step_time`` (its ``samples_per_sec`` is ``batch_size / mean``)."""
+        return statistics.fmean(self.times_ms)
 
     @property
     def p10_ms(self) -> float:
@@ -56,14 +79,109 @@ def fixed_threads(num_threads: Optional[int]):
         torch.set_num_threads(old)
 
 
-def _sync(device: torch.device):
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
+class BenchOptionError(ValueError):
+    """An option of a benchmark that cannot run as asked. ``option`` names it ('device', 'amp',
+    'compile_mode'), ``value`` is what was given, ``reason`` says what to change; the command
+    line prints it with its flag (``--amp fp16: ...``)."""
+
+    def __init__(self, option: str, value, reason: str):
+        super().__init__(f'{option}={value!r}: {reason}')
+        self.option, self.value, self.reason = option, value, reason
+
+
+class WallTimer:
+    """Wall-clock milliseconds of a CPU step (the CPU runs it synchronously)."""
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        return (time.perf_counter() - self._t0) * 1e3
+
+
+class CudaEventTimer:
+    """Milliseconds between two CUDA events recorded around a step on the current stream.
+
+    ``start`` first synchronizes the device, so no earlier work is counted; ``stop`` waits for
+    the end event, so all of the step's kernels are."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._begin = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self._begin.record()
+
+    def stop(self) -> float:
+        self._end.record()
+        self._end.synchronize()
+        return self._begin.elapsed_time(self._end)
+
+
+def step_timer(device: Union[str, torch.device]) -> Union[WallTimer, CudaEventTimer]:
+    """The timer for one step on ``device``: CUDA events on a CUDA device, the wall clock otherwise."""
+    device = torch.device(device)
+    return CudaEventTimer(device) if device.type == 'cuda' else WallTimer()
+
+
+def check_bench_options(device: Union[str, torch.device], amp: Optional[str] = None, compile: bool = False,
+                        compile_mode: Optional[str] = None) -> torch.device:
+    """Raise :class:`BenchOptionError` (a ``ValueError`` saying what to change) for options that
+    cannot run as asked on ``device``, instead of measuring something else; return the device.
+
+    * ``device``: 'cpu', 'cuda' or 'cuda:N', and CUDA must be available for the latter.
+    * ``amp``: 'bf16' or 'fp16'; autocast must support that dtype on the device (CPU autocast
+      would otherwise disable itself with a warning and run fp32; a pre-Ampere GPU has no bf16).
+    * ``compile_mode`` needs ``compile``; 'reduce-overhead' is CUDA graphs, which the CPU lacks.
+    """
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ('cpu', 'cuda'):
+        raise BenchOptionError('device', device, 'expected cpu, cuda or cuda:N')
+    if dev.type == 'cuda' and not torch.cuda.is_available():
+        raise BenchOptionError('device', device, 'CUDA is not available here; use cpu')
+    if compile_mode is not None and not compile:
+        raise BenchOptionError('compile_mode', compile_mode, 'given without compiling; add compile or drop the mode')
+    if compile_mode is not None and compile_mode not in COMPILE_MODES:
+        raise BenchOptionError('compile_mode', compile_mode, f'expected one of {", ".join(COMPILE_MODES)}')
+    if compile and compile_mode == 'reduce-overhead' and dev.type != 'cuda':
+        raise BenchOptionError('compile_mode', compile_mode, "CUDA graphs; on the CPU it would run as 'default'. "
+                                                             "Use 'default' or 'max-autotune-no-cudagraphs'")
+    if amp is not None:
+        _check_amp(dev, amp)
+    return dev
+
+
+def _check_amp(dev: torch.device, amp: str) -> None:
+    if amp not in AMP_DTYPES:
+        raise BenchOptionError('amp', amp, f'expected one of {", ".join(AMP_DTYPES)}')
+    dtype = AMP_DTYPES[amp]
+    if not torch.amp.is_autocast_available(dev.type):
+        raise BenchOptionError('amp', amp, f'torch has no autocast for {dev.type}; drop amp')
+    if dev.type == 'cuda' and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise BenchOptionError('amp', amp, f'{torch.cuda.get_device_name(dev)} has no bfloat16 support; use fp16')
+    # autocast disables itself (a warning, then fp32) for a dtype the device does not support: probe it
+    w = torch.ones(2, 2, device=dev)
+    try:
+        with torch.autocast(dev.type, dtype=dtype):
+            out = torch.nn.functional.linear(w, w)
+    except RuntimeError as e:
+        out, err = None, e
+    if out is None or out.dtype != dtype:
+        why = f' ({err})' if out is None else ''
+        raise BenchOptionError('amp', amp, f'autocast to {dtype} is not supported on {dev.type} by this '
+                                           f'torch{why}; use {"bf16" if amp == "fp16" else "fp16"} or drop amp')
 
 
 def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_size=(3, 224, 224),
                      warmup: int = 3, repeats: int = 10, num_threads: Optional[int] = None,
-                     device: str = 'cpu', train: bool = False) -> Dict[str, LatencyResult]:
+                     device: str = 'cpu', train: bool = False, amp: Optional[str] = None,
+                     channels_last: bool = False, compile: bool = False,
+                     compile_mode: Optional[str] = None) -> Dict[str, LatencyResult]:
     """Median latency of several models on the same random batch, measured interleaved.
 
     Args:
@@ -73,34 +191,81 @@ def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_s
         warmup: untimed batches per model before timing (allocator, kernels, caches).
         repeats: timed batches per model; the median is reported.
         num_threads: torch intra-op threads during the run (default: leave as is).
-        device: 'cpu' or 'cuda' (timings synchronize the device).
+        device: 'cpu', 'cuda' or 'cuda:N' (timed with :func:`step_timer`).
+        amp: 'bf16' or 'fp16': run each step under ``torch.autocast`` in that dtype.
+        channels_last: model and input in channels-last memory format.
+        compile: ``torch.compile`` each model (``compile_mode``: its ``mode``); the first call
+            compiles, is timed on its own (``LatencyResult.compile_s``) and precedes ``warmup``.
+
+    Raises:
+        BenchOptionError: options :func:`check_bench_options` rejects.
     """
-    dev = torch.device(device)
+    dev = check_bench_options(device, amp, compile, compile_mode)
     x = torch.randn(batch_size, *input_size, device=dev)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     results = {name: LatencyResult(name, batch_size, []) for name in models}
+    autocast = (lambda: torch.autocast(dev.type, dtype=AMP_DTYPES[amp])) if amp else nullcontext
+    # CUDA graphs reuse their output buffers: tell torch a new step begins before each call
+    mark_step = torch.compiler.cudagraph_mark_step_begin if compile_mode == 'reduce-overhead' else (lambda: None)
 
     def step(model):
+        mark_step()
+        with autocast():
+            out = model(x)
         if train:
-            model(x).float().sum().backward()
-        else:
-            model(x)
+            out.float().sum().backward()
 
     with fixed_threads(num_threads):
-        for m in models.values():
-            m.to(dev).train(train)
+        runnable = {}
+        for name, m in models.items():
+            m.to(dev, memory_format=torch.channels_last if channels_last else torch.preserve_format).train(train)
+            runnable[name] = torch.compile(m, mode=None if compile_mode == 'default' else compile_mode) \
+                if compile else m
+        timer = step_timer(dev)
         ctx = torch.enable_grad if train else torch.inference_mode
         with ctx():
-            for m in models.values():
+            if compile:
+                for name, m in runnable.items():
+                    timer.start()
+                    step(m)
+                    results[name].compile_s = timer.stop() / 1e3
+            for m in runnable.values():
                 for _ in range(warmup):
                     step(m)
-            _sync(dev)
             for _ in range(repeats):
-                for name, m in models.items():
+                for name, m in runnable.items():
                     if train:
-                        m.zero_grad(set_to_none=True)
-                    _sync(dev)
-                    t0 = time.perf_counter()
+                        models[name].zero_grad(set_to_none=True)
+                    timer.start()
                     step(m)
-                    _sync(dev)
-                    results[name].times_ms.append((time.perf_counter() - t0) * 1e3)
+                    results[name].times_ms.append(timer.stop())
     return results
+
+
+def timm_record(result: LatencyResult, param_count: int, img_size: int, train: bool = False,
+                baseline: Optional[LatencyResult] = None) -> Dict[str, object]:
+    """One model's result in the field names of timm's ``benchmark.py`` (``infer_samples_per_sec``,
+    ``infer_step_time``, ``infer_batch_size``, ``infer_img_size``, ``param_count``; ``train_*`` for
+    training), plus ours: median / p10 / p90 ms, compile seconds and the same-run ratio to ``baseline``.
+
+    timm's samples/s is ``batch / mean step time`` and its step time the mean in ms; ours (the
+    table's images/s) uses the median, which one disturbed step moves less.
+    """
+    p = 'train' if train else 'infer'
+    record: Dict[str, object] = {
+        'model': result.name,
+        f'{p}_samples_per_sec': round(result.batch_size / (result.mean_ms / 1e3), 2),
+        f'{p}_step_time': round(result.mean_ms, 3),
+        f'{p}_batch_size': result.batch_size,
+        f'{p}_img_size': img_size,
+        'param_count': round(param_count / 1e6, 2),
+        f'{p}_median_ms': round(result.median_ms, 3),
+        f'{p}_p10_ms': round(result.p10_ms, 3),
+        f'{p}_p90_ms': round(result.p90_ms, 3),
+        f'{p}_compile_s': None if result.compile_s is None else round(result.compile_s, 2),
+    }
+    if baseline is not None:
+        record['vs_baseline'] = round(result.median_ms / baseline.median_ms, 4)  # < 1: faster than the baseline
+        record['speedup_vs_baseline'] = round(baseline.median_ms / result.median_ms, 4)  # images/s ratio
+    return record

@@ -1,0 +1,84 @@
+"""scripts/gpu_issue15.sh (the GPU speed tables of issue 15) and its table script, tested on the CPU.
+
+The default run checks the table script on records written here (the papers' claims, the
+verdicts); the slow test runs the whole command on the CPU with a tiny budget (one group, 32 px),
+twice: the second call must reuse the first one's result.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'scripts'))
+import gpu_table15  # noqa: E402
+
+
+def _records(group, base, medians):
+    """Records as gpu_issue15.py writes them, from median ms per variant (vanilla first)."""
+    van = medians['vanilla']
+    return [{'model': base, 'group': group, 'variant': v, 'infer_median_ms': ms, 'infer_samples_per_sec': 128e3 / ms,
+             'speedup_vs_baseline': van / ms} for v, ms in medians.items()]
+
+
+def test_paper_claims_are_the_published_ratios():
+    vs_vanilla, vs_training = gpu_table15.paper_claims()
+    # RePa Table 2: deployed DeiT-B 659.5 images/s vs DeiT-B 393.8 (+67.5%); Table 1: 659.5 vs 336.6 (+95.9%)
+    assert vs_vanilla['deit_base_patch16_224', 'repa_deployed'][0] == pytest.approx(1.675, abs=5e-4)
+    assert vs_training['deit_base_patch16_224'][0] == pytest.approx(1.959, abs=5e-4)
+    assert vs_training['vit_large_patch16_224'][0] == pytest.approx(2.018, abs=5e-4)  # ViT-L +101.8%
+    # AFBO: latency, vanilla / variant: PoolFormer-S12 9.9 ms (Table 2), AFBO 11.2 ms, GLU (M=4) 13.3 ms (Table 11)
+    assert vs_vanilla['poolformer_s12', 'afbo'][0] == pytest.approx(9.9 / 11.2)
+    assert vs_vanilla['poolformer_s12', 'glu4'][0] == pytest.approx(9.9 / 13.3)
+    assert ('deit_tiny_patch16_224', 'iffn_deployed') not in vs_vanilla  # IFFN publishes no speed
+
+
+def test_table_puts_ours_beside_the_claims(tmp_path, capsys):
+    run = tmp_path / 'fp32-eager-b128'
+    run.mkdir()
+    (tmp_path / 'env.json').write_text(json.dumps({'gpu': 'NVIDIA H100', 'driver': '570.1', 'torch': '2.14.1',
+                                                   'cuda': '13.0', 'timm': '1.0.31', 'img_size': 224}))
+    medians = {'vanilla': 100.0, 'repa': 110.0, 'repa_deployed': 62.0, 'iffn_deployed': 104.0}
+    (run / 'deit_base.json').write_text(json.dumps(_records('deit_base', 'deit_base_patch16_224', medians)))
+    (run / 'vit_large.json').write_text(json.dumps([{'group': 'vit_large', 'error': 'out of memory: x'}]))
+    assert gpu_table15.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert 'NVIDIA H100, driver 570.1' in out and "fp32, eager, batch 128 (the papers' setting)" in out
+    deployed = [c.strip() for c in next(line for line in out.splitlines() if 'RePa deployed' in line).split('|')]
+    # ours 100/62 = 1.61x vs the claimed 1.67x (96%: holds); vs training form 110/62 = 1.77x vs 1.96x (90%: close)
+    assert deployed[5:11] == ['1.61x', '1.67x (RePa T2)', 'holds', '1.77x', '1.96x (RePa T1)', 'close']
+    assert '| deit_tiny_patch16_224 | not yet run |' in out and 'out of memory' in out
+
+
+def test_table_script_usage_error(capsys):
+    assert gpu_table15.main(['/no/such/folder']) == 2
+    assert 'usage: gpu_table15.py RESULTS_FOLDER' in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_one_command_on_the_cpu(tmp_path):
+    """bash scripts/gpu_issue15.sh with a CPU dry run: results, table and tarball; a second call resumes."""
+    for d in ('src', 'scripts'):
+        (tmp_path / d).symlink_to(ROOT / d)
+    env = {**os.environ, 'OUT': str(tmp_path / 'out'), 'PYTHON': sys.executable,
+           'EXTRA': '--device cpu --img-size 32 --batches 1 --precisions fp32 --compile eager --warmup 0 --repeats 1 '
+                    '--groups deit_tiny'}
+    (tmp_path / 'out').mkdir()
+
+    def call():
+        return subprocess.run(['bash', 'scripts/gpu_issue15.sh', '300'], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+
+    first = call()
+    assert '1 of 1 runs finished' in first.stdout, first.stdout + first.stderr
+    records = json.loads((tmp_path / 'runs/gpu15/fp32-eager-b1/deit_tiny.json').read_text())
+    assert [r['variant'] for r in records] == ['vanilla', 'repa', 'repa_deployed', 'iffn_deployed']
+    assert all(r['infer_batch_size'] == 1 and r['infer_img_size'] == 32 for r in records)
+    table = (tmp_path / 'runs/gpu15/table.md').read_text()
+    assert '| deit_tiny_patch16_224 | RePa deployed |' in table and '1.33x (RePa T2)' in table
+    assert (tmp_path / 'out' / 'gpu15.tgz').is_file()
+    second = call()
+    assert '1 of 1 runs finished' in second.stdout and 'fp32-eager-b1 deit_tiny:' not in second.stdout
