@@ -32,6 +32,7 @@ def _small_input_kwargs(name):
 
 _HEAVY = ('large', 'huge', '_m36', '_m48', 'swin_small', 'swin_base', 'mixer_l16', 'deit_base', 'vit_base',
           'lvvit', 'lvt')  # LV-ViT, LVT: tests/test_lvvit.py, test_lvt.py run the same checks fast (small inputs)
+_HEAVY += ('cyclemlp', 'hiremlp')  # tests/test_cyclemlp.py, test_hiremlp.py: the same checks, small models
 
 
 def _marks(name):

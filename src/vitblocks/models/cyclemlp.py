@@ -70,18 +70,19 @@ class CycleFC(nn.Module):
         self.axis, self.kernel = axis, kernel
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.register_buffer('offsets', torch.tensor(cycle_offsets(in_features, kernel)), persistent=False)
         trunc_normal_(self.weight, std=.02)  # the authors' init for Cycle FC
 
     def shift(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H, W, C) -> (B, H, W, C), channel i read at its cycle offset along the axis."""
         dim = 1 if self.axis == 'height' else 2
         half, length = self.kernel // 2, x.shape[dim]
-        pad = (0, 0, half, half) if dim == 2 else (0, 0, 0, 0, half, half)  # F.pad pads the last dims first
+        pad = [0, 0, half, half] if dim == 2 else [0, 0, 0, 0, half, half]  # F.pad pads the last dims first
         padded = F.pad(x, pad)  # (B, H, W + 2h, C) or (B, H + 2h, W, C), zeros outside the map
-        out = torch.empty_like(x)
-        for r in range(self.kernel):  # channels r, r + k, r + 2k, ... share one offset
-            offset = (r + half) % self.kernel - half
-            out[..., r::self.kernel] = padded.narrow(dim, half + offset, length)[..., r::self.kernel]
+        out = padded.narrow(dim, half, length)  # offset 0
+        for offset in range(-half, half + 1):  # each channel takes the window at its own offset
+            if offset != 0:
+                out = torch.where(self.offsets == offset, padded.narrow(dim, half + offset, length), out)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,17 +93,17 @@ class CycleFC(nn.Module):
                 f'bias={self.bias is not None}')
 
 
-def split_attention(branches: Sequence[torch.Tensor], reweight: nn.Module, channels_last: bool) -> torch.Tensor:
-    """Weighted sum of ``branches`` with per-channel weights (softmax over the branches) predicted by
-    ``reweight`` (C -> len(branches) * C) from their summed mean over positions (ViP's split attention,
-    used by CycleMLP Eq. 7 and Hire-MLP)."""
-    total = sum(branches)
-    B, C = total.shape[0], total.shape[-1 if channels_last else 1]
-    pooled = total.mean((1, 2) if channels_last else (2, 3))  # (B, C)
-    weights = reweight(pooled).reshape(B, C, len(branches)).permute(2, 0, 1).softmax(dim=0)  # (n, B, C)
-    shape = (len(branches), B, 1, 1, C) if channels_last else (len(branches), B, C, 1, 1)
-    weights = weights.reshape(shape)  # broadcast over the positions
-    return sum(w * b for w, b in zip(weights, branches))
+def split_attention(branches: List[torch.Tensor], logits: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """Weighted sum of ``branches`` with per-channel weights, a softmax over the branches of ``logits``
+    ``(B, len(branches) * C)`` (ViP's split attention, CycleMLP Eq. 7 and Hire-MLP; the mixer predicts the
+    logits from the branches' summed mean over positions)."""
+    n, B = len(branches), logits.shape[0]
+    weights = logits.reshape(B, -1, n).permute(2, 0, 1).softmax(dim=0)  # (B, C*n) -> (n, B, C), channel-major
+    weights = weights[:, :, None, None, :] if channels_last else weights[:, :, :, None, None]  # over positions
+    out = weights[0] * branches[0]
+    for i in range(1, n):
+        out = out + weights[i] * branches[i]
+    return out
 
 
 class CycleMixer(nn.Module):
@@ -118,8 +119,9 @@ class CycleMixer(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mixed = split_attention([self.sfc_h(x), self.sfc_w(x), self.mlp_c(x)], self.reweight, channels_last=True)
-        return self.proj_drop(self.proj(mixed))
+        h, w, c = self.sfc_h(x), self.sfc_w(x), self.mlp_c(x)
+        logits = self.reweight((h + w + c).mean((1, 2)))  # (B, H, W, C) -> (B, C) -> (B, 3C)
+        return self.proj_drop(self.proj(split_attention([h, w, c], logits, channels_last=True)))
 
 
 class CycleBlock(nn.Module):
@@ -272,35 +274,35 @@ def _create(name: str, pretrained: bool, **kwargs) -> CycleMLPNet:
                                 feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'), **kwargs)
 
 
-_SMALL = dict(embed_dims=(64, 128, 320, 512))
+def _b(depths, mlp_ratios, embed_dims=(64, 128, 320, 512)) -> dict:
+    return dict(depths=depths, mlp_ratios=mlp_ratios, embed_dims=embed_dims)
 
 
 @register_model
 def cyclemlp_b1(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B1 (15.155 M params, 2.125 GMACs)."""
-    return _create('cyclemlp_b1', pretrained, **dict(depths=(2, 2, 4, 2), mlp_ratios=(4, 4, 4, 4), **_SMALL, **kwargs))
+    return _create('cyclemlp_b1', pretrained, **{**_b((2, 2, 4, 2), (4, 4, 4, 4)), **kwargs})
 
 
 @register_model
 def cyclemlp_b2(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B2 (26.803 M params, 3.881 GMACs)."""
-    return _create('cyclemlp_b2', pretrained, **dict(depths=(2, 3, 10, 3), mlp_ratios=(4, 4, 4, 4), **_SMALL, **kwargs))
+    return _create('cyclemlp_b2', pretrained, **{**_b((2, 3, 10, 3), (4, 4, 4, 4)), **kwargs})
 
 
 @register_model
 def cyclemlp_b3(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B3 (38.386 M params, 6.840 GMACs)."""
-    return _create('cyclemlp_b3', pretrained, **dict(depths=(3, 4, 18, 3), mlp_ratios=(8, 8, 4, 4), **_SMALL, **kwargs))
+    return _create('cyclemlp_b3', pretrained, **{**_b((3, 4, 18, 3), (8, 8, 4, 4)), **kwargs})
 
 
 @register_model
 def cyclemlp_b4(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B4 (51.797 M params, 10.040 GMACs)."""
-    return _create('cyclemlp_b4', pretrained, **dict(depths=(3, 8, 27, 3), mlp_ratios=(8, 8, 4, 4), **_SMALL, **kwargs))
+    return _create('cyclemlp_b4', pretrained, **{**_b((3, 8, 27, 3), (8, 8, 4, 4)), **kwargs})
 
 
 @register_model
 def cyclemlp_b5(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B5 (75.747 M params, 12.246 GMACs)."""
-    return _create('cyclemlp_b5', pretrained, **dict(depths=(3, 4, 24, 3), mlp_ratios=(4, 4, 4, 4),
-                                                     embed_dims=(96, 192, 384, 768), **kwargs))
+    return _create('cyclemlp_b5', pretrained, **{**_b((3, 4, 24, 3), (4, 4, 4, 4), (96, 192, 384, 768)), **kwargs})

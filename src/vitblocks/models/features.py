@@ -15,6 +15,8 @@ dropped, maps ``(B, C, H, W)``), a hierarchical backbone a ``FeatureListNet`` ov
 | SwinTransformer, MetaFormer, | ``flatten_sequential=True``, ``out_indices`` = every |
 | PyramidVisionTransformerV2,  | stage (``model.feature_info`` has one per stage)     |
 | GlobalContextVit             |                                                      |
+| other models with            | ``feature_cls='getter'`` over every stage, as their  |
+| ``forward_intermediates``    | own entry points (vitblocks' LVT, CycleMLP, Hire-MLP)|
 """
 from typing import Any, Dict, Optional
 
@@ -41,8 +43,11 @@ def _family_feature_cfg(model: nn.Module) -> Dict[str, Any]:
         return dict(out_indices=3, feature_cls='getter')
     if isinstance(model, _STAGES):
         return dict(flatten_sequential=True, out_indices=tuple(range(len(model.feature_info))))
+    if callable(getattr(model, 'forward_intermediates', None)) and isinstance(getattr(model, 'feature_info', None),
+                                                                               list):
+        return dict(out_indices=tuple(range(len(model.feature_info))), feature_cls='getter')
     raise ValueError(f'features_only is not supported for {type(model).__name__}; supported timm families: '
-                     f'{", ".join(c.__name__ for c in _GETTER + _STAGES)}')
+                     f'{", ".join(c.__name__ for c in _GETTER + _STAGES)}, and models with forward_intermediates')
 
 
 def features_only(model: nn.Module, name: str, out_indices: Optional[Any] = None,
