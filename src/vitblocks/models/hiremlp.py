@@ -21,8 +21,17 @@ Written from the paper and the authors' model definition (``hire_mlp_tiny`` ... 
   Only the authors' circular modes (``'c'`` for both paddings, used by every published model) are built.
 * Head: BatchNorm, average pool, linear.
 
+All four: MLP ratio 4, regions 4, 3, 3, 2, shift periods 2, 2, 3, 2, shift dilations 2, 2, 1, 1.
+
 | model | depths | widths | params | GMACs (norms 2/element) | published (paper) |
 | --- | --- | --- | ---: | ---: | --- |
+| ``hiremlp_tiny`` | 2, 2, 4, 2 | 64, 128, 320, 512 | 18.042 M | 2.149 | 18 M, 2.1 G |
+| ``hiremlp_small`` | 3, 4, 10, 3 | 64, 128, 320, 512 | 33.114 M | 4.240 | 33 M, 4.2 G |
+| ``hiremlp_base`` | 4, 6, 24, 3 | 64, 128, 320, 512 | 58.227 M | 8.125 | 58 M, 8.1 G |
+| ``hiremlp_large`` | 4, 6, 24, 3 | 96, 192, 384, 768 | 95.724 M | 13.442 | 96 M, 13.4 G |
+
+The rearranged branches run on the circularly padded map (28 rows -> 30 for regions of 3), and are
+counted there.
 
 ``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (input channels-first ``(B, C, H, W)``, like PoolFormer).
 """
@@ -250,24 +259,24 @@ def _create(name: str, pretrained: bool, **kwargs) -> HireMLPNet:
 
 @register_model
 def hiremlp_tiny(pretrained: bool = False, **kwargs) -> HireMLPNet:
-    """Hire-MLP-Tiny."""
+    """Hire-MLP-Tiny (18.042 M params, 2.149 GMACs)."""
     return _create('hiremlp_tiny', pretrained, **{'depths': (2, 2, 4, 2), **kwargs})
 
 
 @register_model
 def hiremlp_small(pretrained: bool = False, **kwargs) -> HireMLPNet:
-    """Hire-MLP-Small."""
+    """Hire-MLP-Small (33.114 M params, 4.240 GMACs)."""
     return _create('hiremlp_small', pretrained, **{'depths': (3, 4, 10, 3), **kwargs})
 
 
 @register_model
 def hiremlp_base(pretrained: bool = False, **kwargs) -> HireMLPNet:
-    """Hire-MLP-Base."""
+    """Hire-MLP-Base (58.227 M params, 8.125 GMACs)."""
     return _create('hiremlp_base', pretrained, **{'depths': (4, 6, 24, 3), **kwargs})
 
 
 @register_model
 def hiremlp_large(pretrained: bool = False, **kwargs) -> HireMLPNet:
-    """Hire-MLP-Large."""
+    """Hire-MLP-Large (95.724 M params, 13.442 GMACs)."""
     return _create('hiremlp_large', pretrained, **{'depths': (4, 6, 24, 3), 'embed_dims': (96, 192, 384, 768),
                                                        **kwargs})
