@@ -27,7 +27,7 @@ B1 would be 1.81 G, so the published 2.1 G counts them too.
 
 ``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (input ``(B, H, W, C)``, like GC ViT and LVT).
 """
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 from torch import nn
 
-__all__ = ['CycleMLPNet', 'CycleFC', 'CycleMixer', 'split_attention']
+__all__ = ['CycleMLPNet', 'CycleFC', 'CycleMixer', 'split_attention', 'StagedMlpNet']
 
 
 def cycle_offsets(channels: int, kernel: int) -> List[int]:
@@ -155,7 +155,81 @@ class CycleStage(nn.Module):
         return self.blocks(x)
 
 
-class CycleMLPNet(nn.Module):
+class StagedMlpNet(nn.Module):
+    """The timm interface CycleMLP and Hire-MLP share: ``stem`` (giving (B, C, H, W)) -> ``stages`` ->
+    ``norm`` -> ``head`` (a timm ``ClassifierHead``). A subclass builds those, ``feature_info`` and
+    ``_init_weights``, and sets ``channels_last``: the layout its stages run in."""
+
+    channels_last: bool
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        self.head.reset(num_classes, global_pool)
+        if global_pool is not None:
+            self.global_pool = global_pool
+        self.head_hidden_size = self.head.num_features
+        if isinstance(self.head.fc, nn.Linear) and self.head.fc.weight.device.type != 'meta':
+            self._init_weights(self.head.fc)
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        return x.permute(0, 2, 3, 1) if self.channels_last else x  # (B, C, H, W) -> (B, H, W, C)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) -> the normalized final map, (B, H/32, W/32, C) or (B, C, H/32, W/32)."""
+        return self.norm(self.stages(self._embed(x)))
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return self.head(x, pre_logits=pre_logits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
+                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
+                              intermediates_only: bool = False):
+        """timm's feature API: stage outputs as (B, C, H, W) maps (``norm``: the final norm on the last one)."""
+        if output_fmt != 'NCHW':
+            raise ValueError(f'{type(self).__name__} intermediates are NCHW maps, got output_fmt={output_fmt!r}')
+        take, max_index = feature_take_indices(len(self.stages), indices)
+        intermediates = []
+        x = self._embed(x)
+        last = len(self.stages) - 1
+        stages = self.stages[:max_index + 1] if stop_early else self.stages
+        for s, stage in enumerate(stages):
+            x = stage(x)
+            if s in take:
+                out = self.norm(x) if norm and s == last else x
+                intermediates.append(out.permute(0, 3, 1, 2) if self.channels_last else out)  # NHWC -> NCHW
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        take, max_index = feature_take_indices(len(self.stages), indices)
+        self.stages = self.stages[:max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, '')
+        return take
+
+
+def create_staged(model_cls, name: str, pretrained: bool, **kwargs) -> nn.Module:
+    """timm builder for a registered :class:`StagedMlpNet` (features_only: the four stages, timm's getter)."""
+    if pretrained:
+        raise RuntimeError(f'{name}: vitblocks ships no weights (nothing is downloaded); pass checkpoint_path= '
+                           f'to timm.create_model to load a checkpoint')
+    return build_model_with_cfg(model_cls, name, pretrained,
+                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'), **kwargs)
+
+
+class CycleMLPNet(StagedMlpNet):
     """CycleMLP (see the module docstring); timm model interface, channels-last throughout.
 
     Args:
@@ -171,15 +245,15 @@ class CycleMLPNet(nn.Module):
         if not len(depths) == len(embed_dims) == len(mlp_ratios):
             raise ValueError(f'depths, embed_dims and mlp_ratios need one entry per stage, got '
                              f'{len(depths)}, {len(embed_dims)}, {len(mlp_ratios)}')
-        self.num_classes, self.global_pool = num_classes, global_pool
-        self.num_features = self.head_hidden_size = embed_dims[-1]
+        self.num_classes, self.global_pool, self.channels_last = num_classes, global_pool, True
+        self.num_features = embed_dims[-1]
         self.stem = nn.Conv2d(in_chans, embed_dims[0], 7, 4, 2)  # overlapping patch embedding, no norm
         n_blocks = sum(depths)
         rates = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # linear, as the authors'
-        dpr = [rates[sum(depths[:s]):sum(depths[:s + 1])] for s in range(len(depths))]
         stages, c_in, self.feature_info = [], 0, []
         for s, (dim, depth) in enumerate(zip(embed_dims, depths)):
-            blocks = [CycleBlock(dim, mlp_ratios[s], qkv_bias, dpr[s][i], proj_drop_rate) for i in range(depth)]
+            blocks = [CycleBlock(dim, mlp_ratios[s], qkv_bias, rates[sum(depths[:s]) + i], proj_drop_rate)
+                      for i in range(depth)]
             stages.append(CycleStage(c_in, dim, blocks))
             self.feature_info.append(dict(num_chs=dim, reduction=4 * 2 ** s, module=f'stages.{s}'))
             c_in = dim
@@ -197,61 +271,6 @@ class CycleMLPNet(nn.Module):
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head.fc
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        self.num_classes = num_classes
-        self.head.reset(num_classes, global_pool)
-        if global_pool is not None:
-            self.global_pool = global_pool
-        self.head_hidden_size = self.head.num_features
-        if isinstance(self.head.fc, nn.Linear) and self.head.fc.weight.device.type != 'meta':
-            self._init_weights(self.head.fc)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) -> normalized final map (B, H/32, W/32, C)."""
-        x = self.stem(x).permute(0, 2, 3, 1)  # (B, C, H/4, W/4) -> (B, H/4, W/4, C)
-        return self.norm(self.stages(x))
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return self.head(x, pre_logits=pre_logits)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
-                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
-                              intermediates_only: bool = False):
-        """timm's feature API: stage outputs as (B, C, H, W) maps (``norm``: the final LayerNorm on the
-        last stage's map)."""
-        if output_fmt != 'NCHW':
-            raise ValueError(f'CycleMLP intermediates are NCHW maps, got output_fmt={output_fmt!r}')
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        intermediates = []
-        x = self.stem(x).permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C)
-        last = len(self.stages) - 1
-        stages = self.stages[:max_index + 1] if stop_early else self.stages
-        for s, stage in enumerate(stages):
-            x = stage(x)
-            if s in take:
-                out = self.norm(x) if norm and s == last else x
-                intermediates.append(out.permute(0, 3, 1, 2))  # (B, H, W, C) -> (B, C, H, W)
-        if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
-
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        self.stages = self.stages[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return take
-
 
 def _cfg(crop_pct: float) -> dict:
     # the authors' configs (crop 0.9 for B1-B3, 0.875 for B4-B5); pool_size is forward_features' 7x7 grid
@@ -266,14 +285,6 @@ default_cfgs = generate_default_cfgs({  # read by timm's register_model
 })
 
 
-def _create(name: str, pretrained: bool, **kwargs) -> CycleMLPNet:
-    if pretrained:
-        raise RuntimeError(f'{name}: vitblocks ships no weights (nothing is downloaded); pass checkpoint_path= '
-                           f'to timm.create_model to load a checkpoint')
-    return build_model_with_cfg(CycleMLPNet, name, pretrained,
-                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'), **kwargs)
-
-
 def _b(depths, mlp_ratios, embed_dims=(64, 128, 320, 512)) -> dict:
     return dict(depths=depths, mlp_ratios=mlp_ratios, embed_dims=embed_dims)
 
@@ -281,28 +292,28 @@ def _b(depths, mlp_ratios, embed_dims=(64, 128, 320, 512)) -> dict:
 @register_model
 def cyclemlp_b1(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B1 (15.155 M params, 2.125 GMACs)."""
-    return _create('cyclemlp_b1', pretrained, **{**_b((2, 2, 4, 2), (4, 4, 4, 4)), **kwargs})
+    return create_staged(CycleMLPNet, 'cyclemlp_b1', pretrained, **{**_b((2, 2, 4, 2), (4, 4, 4, 4)), **kwargs})
 
 
 @register_model
 def cyclemlp_b2(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B2 (26.803 M params, 3.881 GMACs)."""
-    return _create('cyclemlp_b2', pretrained, **{**_b((2, 3, 10, 3), (4, 4, 4, 4)), **kwargs})
+    return create_staged(CycleMLPNet, 'cyclemlp_b2', pretrained, **{**_b((2, 3, 10, 3), (4, 4, 4, 4)), **kwargs})
 
 
 @register_model
 def cyclemlp_b3(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B3 (38.386 M params, 6.840 GMACs)."""
-    return _create('cyclemlp_b3', pretrained, **{**_b((3, 4, 18, 3), (8, 8, 4, 4)), **kwargs})
+    return create_staged(CycleMLPNet, 'cyclemlp_b3', pretrained, **{**_b((3, 4, 18, 3), (8, 8, 4, 4)), **kwargs})
 
 
 @register_model
 def cyclemlp_b4(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B4 (51.797 M params, 10.040 GMACs)."""
-    return _create('cyclemlp_b4', pretrained, **{**_b((3, 8, 27, 3), (8, 8, 4, 4)), **kwargs})
+    return create_staged(CycleMLPNet, 'cyclemlp_b4', pretrained, **{**_b((3, 8, 27, 3), (8, 8, 4, 4)), **kwargs})
 
 
 @register_model
 def cyclemlp_b5(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B5 (75.747 M params, 12.246 GMACs)."""
-    return _create('cyclemlp_b5', pretrained, **{**_b((3, 4, 24, 3), (4, 4, 4, 4), (96, 192, 384, 768)), **kwargs})
+    return create_staged(CycleMLPNet, 'cyclemlp_b5', pretrained, **{**_b((3, 4, 24, 3), (4, 4, 4, 4), (96, 192, 384, 768)), **kwargs})

@@ -35,17 +35,16 @@ counted there.
 
 ``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (input channels-first ``(B, C, H, W)``, like PoolFormer).
 """
-from typing import List, Optional, Union
+from typing import List
 
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, ConvNormAct, DropPath, Mlp, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, register_notrace_module
-from timm.models._features import feature_take_indices
+from timm.models import generate_default_cfgs, register_model, register_notrace_module
 from torch import nn
 
-from .cyclemlp import split_attention
+from .cyclemlp import StagedMlpNet, create_staged, split_attention
 
 __all__ = ['HireMLPNet', 'HireMixer', 'RegionRearrangedMLP']
 
@@ -141,7 +140,7 @@ class HireStage(nn.Module):
         return self.blocks(x)
 
 
-class HireMLPNet(nn.Module):
+class HireMLPNet(StagedMlpNet):
     """Hire-MLP (see the module docstring); timm model interface, channels-first throughout.
 
     Args:
@@ -162,7 +161,7 @@ class HireMLPNet(nn.Module):
         if len({len(v) for v in per_stage.values()}) != 1:
             raise ValueError('Hire-MLP needs one entry per stage in each of '
                              + ', '.join(f'{k} ({len(v)})' for k, v in per_stage.items()))
-        self.num_classes, self.global_pool = num_classes, global_pool
+        self.num_classes, self.global_pool, self.channels_last = num_classes, global_pool, False
         self.num_features = embed_dims[-1]
         self.stem = ConvNormAct(in_chans, embed_dims[0], 7, 4, 2, bias=True)  # conv + BN + ReLU
         n_blocks = sum(depths)
@@ -188,58 +187,6 @@ class HireMLPNet(nn.Module):
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head.fc
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        self.num_classes = num_classes
-        self.head.reset(num_classes, global_pool)
-        if global_pool is not None:
-            self.global_pool = global_pool
-        self.head_hidden_size = self.head.num_features
-        if isinstance(self.head.fc, nn.Linear) and self.head.fc.weight.device.type != 'meta':
-            self._init_weights(self.head.fc)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) -> normalized final map (B, C, H/32, W/32)."""
-        return self.norm(self.stages(self.stem(x)))
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return self.head(x, pre_logits=pre_logits)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
-                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
-                              intermediates_only: bool = False):
-        """timm's feature API: stage outputs (B, C, H, W) (``norm``: the final BatchNorm on the last one)."""
-        if output_fmt != 'NCHW':
-            raise ValueError(f'Hire-MLP intermediates are NCHW maps, got output_fmt={output_fmt!r}')
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        intermediates = []
-        x = self.stem(x)
-        last = len(self.stages) - 1
-        stages = self.stages[:max_index + 1] if stop_early else self.stages
-        for s, stage in enumerate(stages):
-            x = stage(x)
-            if s in take:
-                intermediates.append(self.norm(x) if norm and s == last else x)
-        if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
-
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        self.stages = self.stages[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return take
-
 
 default_cfgs = generate_default_cfgs({  # read by timm's register_model; the authors' config (crop 0.9)
     name: dict(url='', num_classes=1000, input_size=(3, 224, 224), pool_size=(7, 7), crop_pct=0.9,
@@ -249,34 +196,26 @@ default_cfgs = generate_default_cfgs({  # read by timm's register_model; the aut
 })
 
 
-def _create(name: str, pretrained: bool, **kwargs) -> HireMLPNet:
-    if pretrained:
-        raise RuntimeError(f'{name}: vitblocks ships no weights (nothing is downloaded); pass checkpoint_path= '
-                           f'to timm.create_model to load a checkpoint')
-    return build_model_with_cfg(HireMLPNet, name, pretrained,
-                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'), **kwargs)
-
-
 @register_model
 def hiremlp_tiny(pretrained: bool = False, **kwargs) -> HireMLPNet:
     """Hire-MLP-Tiny (18.042 M params, 2.149 GMACs)."""
-    return _create('hiremlp_tiny', pretrained, **{'depths': (2, 2, 4, 2), **kwargs})
+    return create_staged(HireMLPNet, 'hiremlp_tiny', pretrained, **{'depths': (2, 2, 4, 2), **kwargs})
 
 
 @register_model
 def hiremlp_small(pretrained: bool = False, **kwargs) -> HireMLPNet:
     """Hire-MLP-Small (33.114 M params, 4.240 GMACs)."""
-    return _create('hiremlp_small', pretrained, **{'depths': (3, 4, 10, 3), **kwargs})
+    return create_staged(HireMLPNet, 'hiremlp_small', pretrained, **{'depths': (3, 4, 10, 3), **kwargs})
 
 
 @register_model
 def hiremlp_base(pretrained: bool = False, **kwargs) -> HireMLPNet:
     """Hire-MLP-Base (58.227 M params, 8.125 GMACs)."""
-    return _create('hiremlp_base', pretrained, **{'depths': (4, 6, 24, 3), **kwargs})
+    return create_staged(HireMLPNet, 'hiremlp_base', pretrained, **{'depths': (4, 6, 24, 3), **kwargs})
 
 
 @register_model
 def hiremlp_large(pretrained: bool = False, **kwargs) -> HireMLPNet:
     """Hire-MLP-Large (95.724 M params, 13.442 GMACs)."""
-    return _create('hiremlp_large', pretrained, **{'depths': (4, 6, 24, 3), 'embed_dims': (96, 192, 384, 768),
-                                                       **kwargs})
+    large = {'depths': (4, 6, 24, 3), 'embed_dims': (96, 192, 384, 768)}
+    return create_staged(HireMLPNet, 'hiremlp_large', pretrained, **{**large, **kwargs})
