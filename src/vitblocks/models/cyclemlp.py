@@ -1,16 +1,16 @@
-"""CycleMLP (Chen et al., "CycleMLP: A MLP-like Architecture for Dense Visual Predictions", ICLR 2022 /
-TPAMI 2023): an AFBO Table 2 backbone.
+"""CycleMLP (Chen et al., "CycleMLP: A MLP-like Architecture for Dense Prediction", ICLR 2022; TPAMI
+2023): an AFBO Table 2 backbone.
 
 Written from the paper and the authors' model definition (``CycleMLP_B1..B5``):
 
 * Stem: 7x7 stride-4 conv (padding 2, no norm). Four stages; stages 2-4 start with a 3x3 stride-2
   conv. The network runs on channels-last maps ``(B, H, W, C)``.
 * Block (pre-norm, LayerNorm): ``x + CycleMLP(LN(x))``, then ``x + MLP(LN(x))`` (timm ``Mlp``, GELU).
-* Token mixer (:class:`CycleMixer`, the paper's Eq. 6-7 with the split-attention reweighting of
-  ViP): three branches, a Cycle FC along the width (``(1, 3)``), one along the height (``(3, 1)``)
-  and a channel FC without bias; their mean over positions goes through an MLP (C -> C/4 -> 3C),
+* Token mixer (:class:`CycleMixer`, with the split-attention reweighting of ViP): three branches,
+  a Cycle FC along the width (``(1, 3)``), one along the height (``(3, 1)``) and a channel FC
+  without bias; their mean over positions goes through an MLP (C -> C/4 -> 3C),
   softmax over the 3 branches gives per-channel weights, the weighted sum goes through ``proj``.
-* Cycle FC (:class:`CycleFC`, Eq. 4): a channel FC whose input channel ``i`` is read at a spatial
+* Cycle FC (:class:`CycleFC`): a channel FC whose input channel ``i`` is read at a spatial
   offset ``(i + 1) mod 3 - 1`` (pseudo-kernel 3) along one axis, zero outside the map.
 * Head: LayerNorm on every position, average pool, linear.
 
@@ -41,14 +41,14 @@ __all__ = ['CycleMLPNet', 'CycleFC', 'CycleMixer', 'split_attention', 'StagedMlp
 
 
 def cycle_offsets(channels: int, kernel: int) -> List[int]:
-    """Spatial offset of each input channel of a Cycle FC with pseudo-kernel ``kernel`` (Eq. 4):
+    """Spatial offset of each input channel of a Cycle FC with pseudo-kernel ``kernel`` (the authors' offsets):
     channel ``i`` is read at ``(i + kernel // 2) mod kernel - kernel // 2``, i.e. 0, 1, -1, 0, 1, ... for 3."""
     half = kernel // 2
     return [(i + half) % kernel - half for i in range(channels)]
 
 
 class CycleFC(nn.Module):
-    """Cycle FC (CycleMLP Eq. 4) on channels-last maps ``(B, H, W, C)``: shift input channel ``i`` by
+    """Cycle FC (CycleMLP's layer) on channels-last maps ``(B, H, W, C)``: shift input channel ``i`` by
     ``cycle_offsets(C, kernel)[i]`` positions along ``axis`` (zero fill at the border), then a channel FC.
 
     The authors run it as a deformable 1x1 conv (``torchvision.ops.deform_conv2d``) with constant
@@ -95,7 +95,7 @@ class CycleFC(nn.Module):
 
 def split_attention(branches: List[torch.Tensor], logits: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """Weighted sum of ``branches`` with per-channel weights, a softmax over the branches of ``logits``
-    ``(B, len(branches) * C)`` (ViP's split attention, CycleMLP Eq. 7 and Hire-MLP; the mixer predicts the
+    ``(B, len(branches) * C)`` (ViP's split attention, used by CycleMLP and Hire-MLP; the mixer predicts the
     logits from the branches' summed mean over positions)."""
     n, B = len(branches), logits.shape[0]
     weights = logits.reshape(B, -1, n).permute(2, 0, 1).softmax(dim=0)  # (B, C*n) -> (n, B, C), channel-major
@@ -316,4 +316,5 @@ def cyclemlp_b4(pretrained: bool = False, **kwargs) -> CycleMLPNet:
 @register_model
 def cyclemlp_b5(pretrained: bool = False, **kwargs) -> CycleMLPNet:
     """CycleMLP-B5 (75.747 M params, 12.246 GMACs)."""
-    return create_staged(CycleMLPNet, 'cyclemlp_b5', pretrained, **{**_b((3, 4, 24, 3), (4, 4, 4, 4), (96, 192, 384, 768)), **kwargs})
+    b5 = _b((3, 4, 24, 3), (4, 4, 4, 4), embed_dims=(96, 192, 384, 768))
+    return create_staged(CycleMLPNet, 'cyclemlp_b5', pretrained, **{**b5, **kwargs})

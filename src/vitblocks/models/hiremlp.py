@@ -9,12 +9,12 @@ Written from the paper and the authors' model definition (``hire_mlp_tiny`` ... 
 * Token mixer (:class:`HireMixer`): a height branch and a width branch of *hierarchical rearrangement*
   (:class:`RegionRearrangedMLP`), a channel FC (1x1 conv), combined by the split-attention
   reweighting CycleMLP uses (:func:`~vitblocks.models.cyclemlp.split_attention`), then ``proj``.
-* Inner-region rearrangement (Sec. 3.1): the axis is cut into regions of ``region`` (the authors'
+* Inner-region rearrangement: the axis is cut into regions of ``region`` (the authors'
   ``pixel``) consecutive positions, padded circularly to a multiple of it; the positions of a region
   are stacked into the channels, ``(B, C, H, W) -> (B, C * region, H / region, W)`` (channel
   ``c * region + k`` holds position ``k`` of the region), mixed by ``1x1 conv (C*region -> C/2, no
   bias) -> BN -> ReLU -> 1x1 conv (C/2 -> C*region)`` and put back.
-* Cross-region rearrangement (Sec. 3.2): in every block whose ``shift`` (the authors' ``step``) is
+* Cross-region rearrangement: in every block whose ``shift`` (the authors' ``step``) is
   non-zero, the map is rolled by ``shift`` positions along the axis before and rolled back after, so the
   regions straddle the previous block's region borders. Block ``i`` of a stage shifts by
   ``(i mod shift_period) * shift_dilation`` (the authors' ``step_stride``, ``step_dilation``).
