@@ -26,8 +26,11 @@ on an AFBO model drops its G2 (no OCCM branch), while an explicit ``occm_groups`
 branch is an error (:class:`~vitblocks.layers.AFBO`).
 
 LVT (Yang et al., 2022) is not in timm: ``afbo_lvt`` (G2 = 2) is registered in ``models/lvt.py``.
-Table 2 backbones not provided: CycleMLP-B1, HireMLP-Tiny, Pyramid-VisionLLaMA-S/B/L; EdgeViT-xxs
-(Table 16) neither.
+Table 2 backbones not provided: Pyramid-VisionLLaMA-S/B/L; EdgeViT-xxs (Table 16) neither.
+
+* CycleMLP-B1, Hire-MLP-Tiny (vitblocks' ``cyclemlp_b1``, ``hiremlp_tiny``): G1 = 4, G2 = 4. A.1's
+  G2 = 3 divides none of their widths (64, 128, 320, 512). Table 2 prints the change, -0.2 M and
+  +0.1 G for both: G1 = G2 = 4 gives -0.26 M / +0.07 G, G1 = 2 with G2 = 2 -0.75 M, with G2 = 4 +0.23 M.
 """
 from functools import partial
 
@@ -54,6 +57,8 @@ AFBO_TABLE2_BASES = (
     ('pvt_v2_b1', 2, 4),
     ('gcvit_xxtiny', 2, 4),
     ('gcvit_xtiny', 2, 4),
+    ('cyclemlp_b1', 4, 4),  # vitblocks' backbones (models/cyclemlp.py, hiremlp.py), registered via .surgery
+    ('hiremlp_tiny', 4, 4),
 )
 
 

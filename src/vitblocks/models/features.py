@@ -15,7 +15,8 @@ dropped, maps ``(B, C, H, W)``), a hierarchical backbone a ``FeatureListNet`` ov
 | SwinTransformer, MetaFormer, | ``flatten_sequential=True``, ``out_indices`` = every |
 | PyramidVisionTransformerV2,  | stage (``model.feature_info`` has one per stage)     |
 | GlobalContextVit             |                                                      |
-| LVT (vitblocks)              | ``out_indices`` = every stage, ``feature_cls='getter'`` (as ``lvt``) |
+| other models with            | ``feature_cls='getter'`` over every stage, as their  |
+| ``forward_intermediates``    | own entry points (vitblocks' LVT, CycleMLP, Hire-MLP)|
 """
 from typing import Any, Dict, Optional
 
@@ -38,15 +39,15 @@ _STAGES = (SwinTransformer, MetaFormer, PyramidVisionTransformerV2, GlobalContex
 
 
 def _family_feature_cfg(model: nn.Module) -> Dict[str, Any]:
-    from .lvt import LVT  # here, not at the top: models/lvt.py registers its variants through this package
     if isinstance(model, _GETTER):
         return dict(out_indices=3, feature_cls='getter')
-    if isinstance(model, LVT):  # as models/lvt.py's own entry point: forward_intermediates over the 4 stages
-        return dict(out_indices=tuple(range(len(model.feature_info))), feature_cls='getter')
     if isinstance(model, _STAGES):
         return dict(flatten_sequential=True, out_indices=tuple(range(len(model.feature_info))))
-    raise ValueError(f'features_only is not supported for {type(model).__name__}; supported families: '
-                     f'{", ".join(c.__name__ for c in _GETTER + _STAGES + (LVT,))}')
+    if callable(getattr(model, 'forward_intermediates', None)) and isinstance(getattr(model, 'feature_info', None),
+                                                                               list):
+        return dict(out_indices=tuple(range(len(model.feature_info))), feature_cls='getter')
+    raise ValueError(f'features_only is not supported for {type(model).__name__}; supported timm families: '
+                     f'{", ".join(c.__name__ for c in _GETTER + _STAGES)}, and models with forward_intermediates')
 
 
 def features_only(model: nn.Module, name: str, out_indices: Optional[Any] = None,

@@ -15,6 +15,8 @@ when the input resolution changes.
 | (PVTv2)                       |                           | ``feat_size`` argument, read every forward  |
 | GlobalContextVit (GC ViT)     | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
 | LVT (``vitblocks.models.lvt``) | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
+| CycleMLPNet (``models.cyclemlp``) | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` |
+| HireMLPNet (``models.hiremlp``) | ``stages[s].blocks[i].mlp`` | channels-first ``(B, C, H, W)`` |
 
 PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. A forward pre-hook on each block records
 ``feat_size`` in the slot's layout and, for a swapped-in FFN (which takes tokens only), drops the
@@ -34,11 +36,13 @@ from torch import nn
 
 from ..layers import FFN_INHERITS, TokenLayout, activation_name, create_ffn
 from .lvt import LVT
+from .cyclemlp import CycleMLPNet
+from .hiremlp import HireMLPNet
 
 __all__ = ['swap_ffn', 'find_ffn_slots', 'SUPPORTED_FAMILIES']
 
 SUPPORTED_FAMILIES = ('VisionTransformer', 'SwinTransformer', 'MetaFormer', 'MlpMixer', 'PyramidVisionTransformerV2',
-                      'GlobalContextVit', 'LVT')
+                      'GlobalContextVit', 'LVT', 'CycleMLPNet', 'HireMLPNet')
 
 # A slot: (parent module, attribute name, qualified name, layout for the new FFN).
 Slot = Tuple[nn.Module, str, str, TokenLayout]
@@ -145,10 +149,14 @@ def find_ffn_slots(model: nn.Module) -> List[Slot]:
         for s, stage in enumerate(model.stages):
             for i, blk in enumerate(stage.blocks):
                 slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', _feat_size_arg_layout(blk)))
-    elif isinstance(model, (GlobalContextVit, LVT)):
+    elif isinstance(model, (GlobalContextVit, LVT, CycleMLPNet)):
         for s, stage in enumerate(model.stages):
             for i, blk in enumerate(stage.blocks):  # the blocks run on (B, H, W, C) maps
                 slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, False)))
+    elif isinstance(model, HireMLPNet):
+        for s, stage in enumerate(model.stages):
+            for i, blk in enumerate(stage.blocks):  # 1x1-conv MLPs on (B, C, H, W) maps
+                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, True)))
     return slots
 
 
