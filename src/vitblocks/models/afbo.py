@@ -26,8 +26,14 @@ on an AFBO model drops its G2 (no OCCM branch), while an explicit ``occm_groups`
 branch is an error (:class:`~vitblocks.layers.AFBO`).
 
 LVT (Yang et al., 2022) is not in timm: ``afbo_lvt`` (G2 = 2) is registered in ``models/lvt.py``.
-Table 2 backbones not provided: CycleMLP-B1, HireMLP-Tiny, Pyramid-VisionLLaMA-S/B/L; EdgeViT-xxs
-(Table 16) neither.
+Table 2 backbones not provided: CycleMLP-B1, HireMLP-Tiny, Pyramid-VisionLLaMA-S/B/L.
+
+Backbones vitblocks adds to timm (``AFBO_OWN_BACKBONES``, at the end of this file):
+
+* EdgeViT-XXS (Table 16, ``models/edgevit.py``): G1 = 2, G2 = 4 (A.1's setting for the backbones it
+  does not name), both FFNs of every LGL block replaced (5 channels-first FFNs of the local
+  aggregations, 7 token FFNs): 4.207 M, Table 16's 4.2 M. G2 = 3 gives 4.106 M; replacing only
+  the token FFNs 4.161 M.
 """
 from functools import partial
 
@@ -71,3 +77,16 @@ for _base, _g1, _g2 in AFBO_TABLE2_BASES:
         name=f'afbo_{_base}', method='afbo', base=_base, build=partial(_swap_afbo, model_groups=_groups),
         cfg=dict(_groups),
         description=f'AFBO Table 2 (G1={_g1}, G2={_g2}, 3x3 depthwise, SiLU on the OCCM branch)'))
+
+
+# AFBO on backbones vitblocks registers with timm: (base, G1, G2, description)
+AFBO_OWN_BACKBONES = (
+    ('edgevit_xxs', 2, 4, 'AFBO Table 16 (G1=2, G2=4, 3x3 depthwise, SiLU on the OCCM branch; both FFNs of '
+                          'every LGL block)'),
+)
+
+for _base, _g1, _g2, _description in AFBO_OWN_BACKBONES:
+    _groups = dict(gccm_groups=_g1, occm_groups=_g2)
+    register_variant(VariantSpec(
+        name=f'afbo_{_base}', method='afbo', base=_base, build=partial(_swap_afbo, model_groups=_groups),
+        cfg=dict(_groups), description=_description))

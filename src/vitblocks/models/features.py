@@ -15,6 +15,8 @@ dropped, maps ``(B, C, H, W)``), a hierarchical backbone a ``FeatureListNet`` ov
 | SwinTransformer, MetaFormer, | ``flatten_sequential=True``, ``out_indices`` = every |
 | PyramidVisionTransformerV2,  | stage (``model.feature_info`` has one per stage)     |
 | GlobalContextVit             |                                                      |
+| vitblocks' own backbones     | ``out_indices`` = every stage, ``feature_cls='getter'`` |
+| (LVT, EdgeViT)               | (their ``forward_intermediates``, as their timm entry points) |
 """
 from typing import Any, Dict, Optional
 
@@ -36,13 +38,23 @@ _GETTER = (VisionTransformer, MlpMixer)
 _STAGES = (SwinTransformer, MetaFormer, PyramidVisionTransformerV2, GlobalContextVit)
 
 
+def _own_stages():
+    """Hierarchical backbones vitblocks registers with timm (imported here: lvt.py registers its variants
+    through registry.py, which imports this module)."""
+    from .edgevit import EdgeViT
+    from .lvt import LVT
+    return LVT, EdgeViT
+
+
 def _family_feature_cfg(model: nn.Module) -> Dict[str, Any]:
     if isinstance(model, _GETTER):
         return dict(out_indices=3, feature_cls='getter')
     if isinstance(model, _STAGES):
         return dict(flatten_sequential=True, out_indices=tuple(range(len(model.feature_info))))
+    if isinstance(model, _own_stages()):
+        return dict(feature_cls='getter', out_indices=tuple(range(len(model.feature_info))))
     raise ValueError(f'features_only is not supported for {type(model).__name__}; supported timm families: '
-                     f'{", ".join(c.__name__ for c in _GETTER + _STAGES)}')
+                     f'{", ".join(c.__name__ for c in _GETTER + _STAGES + _own_stages())}')
 
 
 def features_only(model: nn.Module, name: str, out_indices: Optional[Any] = None,

@@ -15,6 +15,8 @@ when the input resolution changes.
 | (PVTv2)                       |                           | ``feat_size`` argument, read every forward  |
 | GlobalContextVit (GC ViT)     | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
 | LVT (``vitblocks.models.lvt``) | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
+| EdgeViT (``vitblocks.models.edgevit``) | ``stages[s].blocks[i].local_agg.mlp`` | channels-first ``(B, C, H, W)`` |
+|                               | ``stages[s].blocks[i].global_attn.mlp`` | channels-last ``(B, H, W, C)`` |
 
 PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. A forward pre-hook on each block records
 ``feat_size`` in the slot's layout and, for a swapped-in FFN (which takes tokens only), drops the
@@ -34,11 +36,12 @@ from torch import nn
 
 from ..layers import FFN_INHERITS, TokenLayout, activation_name, create_ffn
 from .lvt import LVT
+from .edgevit import EdgeViT, LocalAggregation
 
 __all__ = ['swap_ffn', 'find_ffn_slots', 'SUPPORTED_FAMILIES']
 
 SUPPORTED_FAMILIES = ('VisionTransformer', 'SwinTransformer', 'MetaFormer', 'MlpMixer', 'PyramidVisionTransformerV2',
-                      'GlobalContextVit', 'LVT')
+                      'GlobalContextVit', 'LVT', 'EdgeViT')
 
 # A slot: (parent module, attribute name, qualified name, layout for the new FFN).
 Slot = Tuple[nn.Module, str, str, TokenLayout]
@@ -149,6 +152,14 @@ def find_ffn_slots(model: nn.Module) -> List[Slot]:
         for s, stage in enumerate(model.stages):
             for i, blk in enumerate(stage.blocks):  # the blocks run on (B, H, W, C) maps
                 slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, False)))
+    elif isinstance(model, EdgeViT):
+        for s, stage in enumerate(model.stages):
+            for i, blk in enumerate(stage.blocks):  # both FFNs of an LGL block (no local part where r = 1)
+                if isinstance(blk.local_agg, LocalAggregation):
+                    slots.append((blk.local_agg, 'mlp', f'stages.{s}.blocks.{i}.local_agg.mlp',
+                                  TokenLayout(None, 0, True)))
+                slots.append((blk.global_attn, 'mlp', f'stages.{s}.blocks.{i}.global_attn.mlp',
+                              TokenLayout(None, 0, False)))
     return slots
 
 
