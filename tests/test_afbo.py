@@ -485,7 +485,7 @@ def test_paper_rows_within_5pct_or_explained(table, row):
 
 
 def test_registered_models_cover_table2():
-    built = {r.model for r in AFBO_PAPER.table('2').rows if r.buildable and r.model.startswith('afbo_')}
+    built = {r.model for t in ('2', '16') for r in AFBO_PAPER.table(t).rows if r.buildable and r.model.startswith('afbo_')}
     assert built == set(vitblocks.list_models(method='afbo'))
-    assert len(built) == 15  # 14 timm backbones + LVT (vitblocks.models.lvt)
+    assert len(built) == 16  # 14 timm backbones + LVT (vitblocks.models.lvt) + EdgeViT-XXS (Table 16)
 
