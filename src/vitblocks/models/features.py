@@ -16,7 +16,7 @@ dropped, maps ``(B, C, H, W)``), a hierarchical backbone a ``FeatureListNet`` ov
 | PyramidVisionTransformerV2,  | stage (``model.feature_info`` has one per stage)     |
 | GlobalContextVit             |                                                      |
 | vitblocks' own backbones     | ``out_indices`` = every stage, ``feature_cls='getter'`` |
-| (LVT, EdgeViT)               | (their ``forward_intermediates``, as their timm entry points) |
+| (LVT, EdgeViT, VisionLLaMA)  | (their ``forward_intermediates``, as their timm entry points) |
 """
 from typing import Any, Dict, Optional
 
@@ -43,7 +43,8 @@ def _own_stages():
     through registry.py, which imports this module)."""
     from .edgevit import EdgeViT
     from .lvt import LVT
-    return LVT, EdgeViT
+    from .vision_llama import PyramidVisionLLaMA
+    return LVT, EdgeViT, PyramidVisionLLaMA
 
 
 def _family_feature_cfg(model: nn.Module) -> Dict[str, Any]:
