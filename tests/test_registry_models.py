@@ -31,7 +31,8 @@ def _small_input_kwargs(name):
 
 
 _HEAVY = ('large', 'huge', '_m36', '_m48', 'swin_small', 'swin_base', 'mixer_l16', 'deit_base', 'vit_base',
-          'lvvit', 'lvt')  # LV-ViT, LVT: tests/test_lvvit.py, test_lvt.py run the same checks fast (small inputs)
+          'lvvit', 'lvt',  # LV-ViT, LVT: tests/test_lvvit.py, test_lvt.py run the same checks fast (small inputs)
+          'visionllama')  # Pyramid VisionLLaMA: tests/test_vision_llama.py, the same checks on 64 px
 
 
 def _marks(name):

@@ -238,7 +238,7 @@ class PyramidVisionLLaMA(nn.Module):
         if global_pool not in (None, 'avg'):
             raise ValueError(f"Pyramid VisionLLaMA pools by averaging; global_pool={global_pool!r} is not supported")
         self.num_classes = num_classes
-        ref = self.norm.weight
+        ref = self.stages[0].downsample.weight
         self.head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype) \
             if num_classes > 0 else nn.Identity()
         if isinstance(self.head, nn.Linear) and ref.device.type != 'meta':
