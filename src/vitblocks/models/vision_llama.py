@@ -68,7 +68,7 @@ def rope_2d(head_dim: int, rows: int, cols: int, step: float = 1., offset: float
 
 
 def _rotate(t: torch.Tensor, sin_cos: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return apply_rot_embed(t, *sin_cos)  # timm's interleaved-pair rotation, (..., N, hd)
+    return apply_rot_embed(t, sin_cos[0], sin_cos[1])  # timm's interleaved-pair rotation, (..., N, hd)
 
 
 class LocallyGroupedRoPEAttention(nn.Module):
