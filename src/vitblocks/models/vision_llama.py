@@ -22,13 +22,18 @@ LLaMA blocks.
 * Head: the authors apply the final LayerNorm to every token, average, then apply *the same*
   LayerNorm again before the linear classifier; we keep that (it is how their checkpoints score).
 
-| model | widths | depths | heads | SwiGLU hidden | params | GMACs |
+| model | widths | depths | heads | SwiGLU hidden | params | GMACs (attn incl.) |
 | --- | --- | --- | --- | --- | ---: | ---: |
-| ``pyramid_visionllama_s`` | 64, 128, 256, 512 | 2, 2, 10, 4 | 2, 4, 8, 16 | 256, 512, 768, 1536 | 22.25 M | 2.61 |
-| ``pyramid_visionllama_b`` | 96, 192, 384, 768 | 2, 2, 18, 2 | 3, 6, 12, 24 | 256, 512, 1024, 2048 | 56.14 M | 9.05 |
-| ``pyramid_visionllama_l`` | 128, 256, 512, 1024 | 2, 2, 18, 2 | 4, 8, 16, 32 | 512, 768, 1536, 2816 | 98.66 M | 15.98 |
+| ``pyramid_visionllama_s`` | 64, 128, 256, 512 | 2, 2, 10, 4 | 2, 4, 8, 16 | 256, 512, 768, 1536 | 25.90 M | 3.31 |
+| ``pyramid_visionllama_b`` | 96, 192, 384, 768 | 2, 2, 18, 2 | 3, 6, 12, 24 | 256, 512, 1024, 2048 | 56.03 M | 8.56 |
+| ``pyramid_visionllama_l`` | 128, 256, 512, 1024 | 2, 2, 18, 2 | 4, 8, 16, 32 | 512, 768, 1536, 2816 | 104.72 M | 16.57 |
 
-``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (channels-last ``(B, H, W, C)``, like LVT).
+The published counts (AFBO Table 2: 22.0 / 56.0 / 99.0 M, 2.6 / 9.0 / 18.0 G) fit this definition for B
+only; with the SwiGLU width not rounded (``swiglu_align=0``) S and L have Twins-SVT-S/L's sizes (24.03 M,
+99.20 M), L then matching the published 99 M. ``papers/afbo.yaml`` has the evidence per row.
+
+``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (channels-last ``(B, H, W, C)``, like LVT; timm's
+``SwiGLU``, whose hidden width the new FFN keeps unless ``mlp_ratio`` is given).
 
 Where we differ from the authors' code: their GSA lays the sub-sampled keys out with the full
 grid's width ``W`` instead of the reduced grid's (stage 1 puts all 49 keys on one row) and offsets
@@ -305,20 +310,20 @@ def _create(name: str, pretrained: bool, **kwargs) -> PyramidVisionLLaMA:
 
 @register_model
 def pyramid_visionllama_s(pretrained: bool = False, **kwargs) -> PyramidVisionLLaMA:
-    """Pyramid-VisionLLaMA-S (22.25 M params, 2.61 GMACs; published 22 M, 2.6 G)."""
+    """Pyramid-VisionLLaMA-S (25.90 M params, 3.31 GMACs; published 22 M, 2.6 G: see ``papers/afbo.yaml``)."""
     args = dict(embed_dims=(64, 128, 256, 512), depths=(2, 2, 10, 4), num_heads=(2, 4, 8, 16))
     return _create('pyramid_visionllama_s', pretrained, **{**args, **kwargs})
 
 
 @register_model
 def pyramid_visionllama_b(pretrained: bool = False, **kwargs) -> PyramidVisionLLaMA:
-    """Pyramid-VisionLLaMA-B (56.14 M params, 9.05 GMACs; published 56 M, 9.0 G)."""
+    """Pyramid-VisionLLaMA-B (56.03 M params, 8.56 GMACs; published 56 M, 9.0 G)."""
     args = dict(embed_dims=(96, 192, 384, 768), depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24))
     return _create('pyramid_visionllama_b', pretrained, **{**args, **kwargs})
 
 
 @register_model
 def pyramid_visionllama_l(pretrained: bool = False, **kwargs) -> PyramidVisionLLaMA:
-    """Pyramid-VisionLLaMA-L (98.66 M params, 15.98 GMACs; published 99 M, 18.0 G)."""
+    """Pyramid-VisionLLaMA-L (104.72 M params, 16.57 GMACs; published 99 M, 18.0 G: see ``papers/afbo.yaml``)."""
     args = dict(embed_dims=(128, 256, 512, 1024), depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32))
     return _create('pyramid_visionllama_l', pretrained, **{**args, **kwargs})
