@@ -26,7 +26,7 @@ on an AFBO model drops its G2 (no OCCM branch), while an explicit ``occm_groups`
 branch is an error (:class:`~vitblocks.layers.AFBO`).
 
 LVT (Yang et al., 2022) is not in timm: ``afbo_lvt`` (G2 = 2) is registered in ``models/lvt.py``.
-Table 2 backbones not provided: CycleMLP-B1, HireMLP-Tiny, Pyramid-VisionLLaMA-S/B/L.
+Table 2 backbones not provided: CycleMLP-B1, HireMLP-Tiny.
 
 Backbones vitblocks adds to timm (``AFBO_OWN_BACKBONES``, at the end of this file):
 
