@@ -31,7 +31,8 @@ def _small_input_kwargs(name):
 
 
 _HEAVY = ('large', 'huge', '_m36', '_m48', 'swin_small', 'swin_base', 'mixer_l16', 'deit_base', 'vit_base',
-          'lvvit', 'lvt')  # LV-ViT, LVT: tests/test_lvvit.py, test_lvt.py run the same checks fast (small inputs)
+          'lvvit', 'lvt',  # LV-ViT, LVT: tests/test_lvvit.py, test_lvt.py run the same checks fast (small inputs)
+          'visionllama')  # Pyramid VisionLLaMA: tests/test_vision_llama.py, the same checks on 64 px
 _HEAVY_PREFIXES = ('scheme_',)  # E = 8 MLPs on PoolFormer/Swin at 224 px: tests/test_scheme.py runs narrow copies
 _HEAVY += ('cyclemlp', 'hiremlp')  # tests/test_cyclemlp.py, test_hiremlp.py: the same checks, small models
 

@@ -8,6 +8,8 @@ from . import lvt  # noqa: F401  (registers LVT with timm, and iffn_lvt, afbo_lv
 from . import scheme  # noqa: F401  (registers the SCHEME models of AFBO Table 3)
 from . import cyclemlp  # noqa: F401  (registers CycleMLP-B1..B5 with timm)
 from . import hiremlp  # noqa: F401  (registers Hire-MLP Tiny..Large with timm)
+from . import edgevit  # noqa: F401  (registers EdgeViT-XXS with timm as edgevit_xxs; afbo_edgevit_xxs in afbo.py)
+from . import vision_llama  # noqa: F401  (registers pyramid_visionllama_s/b/l with timm; their AFBO models in afbo.py)
 from .registry import VariantSpec, get_variant, list_models, register_variant, resolve_model_name
 from .surgery import SUPPORTED_FAMILIES, find_ffn_slots, swap_ffn
 from .repa import list_residual_ffns, swap_residual_ffn  # registers the RePa models
@@ -16,7 +18,7 @@ from .ninformer import swap_gating_unit  # registers the NiNformer-paper models
 from . import blocks_bench  # noqa: F401  (registers the CIFAR-10 blocks benchmark models)
 
 # backbones the papers use that timm does not have, registered with timm by these modules
-BACKBONE_MODULES = ('lvvit', 'lvt', 'cyclemlp', 'hiremlp')
+BACKBONE_MODULES = ('lvvit', 'lvt', 'cyclemlp', 'hiremlp', 'edgevit', 'vision_llama')
 
 
 def list_backbones():

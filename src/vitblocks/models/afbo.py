@@ -26,11 +26,22 @@ on an AFBO model drops its G2 (no OCCM branch), while an explicit ``occm_groups`
 branch is an error (:class:`~vitblocks.layers.AFBO`).
 
 LVT (Yang et al., 2022) is not in timm: ``afbo_lvt`` (G2 = 2) is registered in ``models/lvt.py``.
-Table 2 backbones not provided: Pyramid-VisionLLaMA-S/B/L; EdgeViT-xxs (Table 16) neither.
+All Table 2 and Table 16 backbones are built (the ones timm lacks by vitblocks' own backbone files).
 
 * CycleMLP-B1, Hire-MLP-Tiny (vitblocks' ``cyclemlp_b1``, ``hiremlp_tiny``): G1 = 4, G2 = 4. A.1's
   G2 = 3 divides none of their widths (64, 128, 320, 512). Table 2 prints the change, -0.2 M and
   +0.1 G for both: G1 = G2 = 4 gives -0.26 M / +0.07 G, G1 = 2 with G2 = 2 -0.75 M, with G2 = 4 +0.23 M.
+
+Backbones vitblocks adds to timm (``AFBO_OWN_BACKBONES``, at the end of this file):
+
+* EdgeViT-XXS (Table 16, ``models/edgevit.py``): G1 = 2, G2 = 4 (A.1's setting for the backbones it
+  does not name), both FFNs of every LGL block replaced (5 channels-first FFNs of the local
+  aggregations, 7 token FFNs): 4.207 M, Table 16's 4.2 M. G2 = 3 gives 4.106 M; replacing only
+  the token FFNs 4.161 M.
+* Pyramid VisionLLaMA-S/B/L (Table 2, ``models/vision_llama.py``): G1 = 2, G2 = 4 (3 does not divide
+  the 64-channel first stage of S), and M = 4: AFBO takes the block's nominal 4d expansion, not the
+  SwiGLU's 2/3-scaled hidden width (with that width AFBO would remove 5.0 / 10.0 / 19.7 M instead of
+  the published +0.1 / +0.4 / +0.5 M). Ours: -1.47 / +0.72 / -4.54 M against the authors' backbones.
 """
 from functools import partial
 
@@ -76,3 +87,19 @@ for _base, _g1, _g2 in AFBO_TABLE2_BASES:
         name=f'afbo_{_base}', method='afbo', base=_base, build=partial(_swap_afbo, model_groups=_groups),
         cfg=dict(_groups),
         description=f'AFBO Table 2 (G1={_g1}, G2={_g2}, 3x3 depthwise, SiLU on the OCCM branch)'))
+
+
+# AFBO on backbones vitblocks registers with timm: (base, block config, description)
+AFBO_OWN_BACKBONES = (
+    ('edgevit_xxs', dict(gccm_groups=2, occm_groups=4),
+     'AFBO Table 16 (G1=2, G2=4, 3x3 depthwise, SiLU on the OCCM branch; both FFNs of every LGL block)'),
+) + tuple(
+    (f'pyramid_visionllama_{size}', dict(gccm_groups=2, occm_groups=4, mlp_ratio=4),
+     'AFBO Table 2 (G1=2, G2=4, M=4 in place of the SwiGLU FFN, 3x3 depthwise, SiLU on the OCCM branch)')
+    for size in ('s', 'b', 'l'))
+
+for _base, _cfg, _description in AFBO_OWN_BACKBONES:
+    _groups = {k: _cfg[k] for k in ('gccm_groups', 'occm_groups')}
+    register_variant(VariantSpec(
+        name=f'afbo_{_base}', method='afbo', base=_base, build=partial(_swap_afbo, model_groups=_groups),
+        cfg=dict(_cfg), description=_description))

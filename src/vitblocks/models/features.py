@@ -15,8 +15,9 @@ dropped, maps ``(B, C, H, W)``), a hierarchical backbone a ``FeatureListNet`` ov
 | SwinTransformer, MetaFormer, | ``flatten_sequential=True``, ``out_indices`` = every |
 | PyramidVisionTransformerV2,  | stage (``model.feature_info`` has one per stage)     |
 | GlobalContextVit             |                                                      |
-| other models with            | ``feature_cls='getter'`` over every stage, as their  |
-| ``forward_intermediates``    | own entry points (vitblocks' LVT, CycleMLP, Hire-MLP)|
+| vitblocks' own backbones     | ``feature_cls='getter'`` over every stage, through   |
+| (LVT, CycleMLP, Hire-MLP,    | their ``forward_intermediates`` (as their timm entry |
+| EdgeViT, VisionLLaMA)        | points)                                              |
 """
 from typing import Any, Dict, Optional
 

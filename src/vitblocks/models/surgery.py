@@ -17,6 +17,9 @@ when the input resolution changes.
 | LVT (``vitblocks.models.lvt``) | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
 | CycleMLPNet (``models.cyclemlp``) | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` |
 | HireMLPNet (``models.hiremlp``) | ``stages[s].blocks[i].mlp`` | channels-first ``(B, C, H, W)`` |
+| EdgeViT (``vitblocks.models.edgevit``) | ``stages[s].blocks[i].local_agg.mlp`` | channels-first ``(B, C, H, W)`` |
+|                               | ``stages[s].blocks[i].global_attn.mlp`` | channels-last ``(B, H, W, C)`` |
+| PyramidVisionLLaMA (``vitblocks.models.vision_llama``) | ``stages[s].blocks[i].mlp`` (SwiGLU) | channels-last ``(B, H, W, C)`` |
 
 PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. A forward pre-hook on each block records
 ``feat_size`` in the slot's layout and, for a swapped-in FFN (which takes tokens only), drops the
@@ -38,11 +41,14 @@ from ..layers import FFN_INHERITS, TokenLayout, activation_name, create_ffn
 from .lvt import LVT
 from .cyclemlp import CycleMLPNet
 from .hiremlp import HireMLPNet
+from .edgevit import EdgeViT, LocalAggregation
+from .vision_llama import PyramidVisionLLaMA
 
 __all__ = ['swap_ffn', 'find_ffn_slots', 'SUPPORTED_FAMILIES']
 
 SUPPORTED_FAMILIES = ('VisionTransformer', 'SwinTransformer', 'MetaFormer', 'MlpMixer', 'PyramidVisionTransformerV2',
-                      'GlobalContextVit', 'LVT', 'CycleMLPNet', 'HireMLPNet')
+                      'GlobalContextVit', 'LVT', 'CycleMLPNet', 'HireMLPNet',
+                      'EdgeViT', 'PyramidVisionLLaMA')
 
 # A slot: (parent module, attribute name, qualified name, layout for the new FFN).
 Slot = Tuple[nn.Module, str, str, TokenLayout]
@@ -157,12 +163,25 @@ def find_ffn_slots(model: nn.Module) -> List[Slot]:
         for s, stage in enumerate(model.stages):
             for i, blk in enumerate(stage.blocks):  # 1x1-conv MLPs on (B, C, H, W) maps
                 slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, True)))
+    elif isinstance(model, EdgeViT):
+        for s, stage in enumerate(model.stages):
+            for i, blk in enumerate(stage.blocks):  # both FFNs of an LGL block (no local part where r = 1)
+                if isinstance(blk.local_agg, LocalAggregation):
+                    slots.append((blk.local_agg, 'mlp', f'stages.{s}.blocks.{i}.local_agg.mlp',
+                                  TokenLayout(None, 0, True)))
+                slots.append((blk.global_attn, 'mlp', f'stages.{s}.blocks.{i}.global_attn.mlp',
+                              TokenLayout(None, 0, False)))
+    elif isinstance(model, PyramidVisionLLaMA):
+        for s, stage in enumerate(model.stages):
+            for i, blk in enumerate(stage.blocks):  # SwiGLU FFNs on (B, H, W, C) maps
+                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, False)))
     return slots
 
 
 def _mlp_dims(mlp: nn.Module) -> Tuple[int, int, int, bool]:
-    """(in, hidden, out, bias) of a timm Mlp-like module (Linear or 1x1-conv fc1/fc2)."""
-    fc1, fc2 = mlp.fc1, mlp.fc2
+    """(in, hidden, out, bias) of a timm Mlp-like module (Linear or 1x1-conv fc1/fc2; timm's SwiGLU has
+    the gate and value halves of fc1 as fc1_g, fc1_x)."""
+    fc1, fc2 = mlp.fc1 if hasattr(mlp, 'fc1') else mlp.fc1_g, mlp.fc2
     dims = lambda m: (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.in_channels, m.out_channels)
     (c_in, hidden), (_, c_out) = dims(fc1), dims(fc2)
     return c_in, hidden, c_out, fc1.bias is not None
@@ -218,7 +237,7 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
         c_in, hidden, c_out, bias = _mlp_dims(old)
         if mlp_ratio is not None:
             hidden = int(round(c_in * mlp_ratio))
-        ref = old.fc1.weight
+        ref = old.fc2.weight
         kwargs = dict(bias=bias, **_inherited(name, old, cfg), **cfg)
         new = create_ffn(name, c_in, hidden, c_out, layout=layout, device=ref.device, dtype=ref.dtype, **kwargs)
         new.train(old.training)
