@@ -148,8 +148,8 @@ def test_scripted_vit_keeps_its_grid():
     model = timm.create_model('bench_iffn_vit_tiny_patch4_32', dynamic_img_size=True).eval()
     scripted = torch.jit.script(model)
     with torch.no_grad():
-        assert model(torch.randn(1, 3, 48, 48)).shape == (1, 1000)  # 12x12 grid, tracked by the hook
-        assert scripted(torch.randn(1, 3, 32, 32)).shape == (1, 1000)  # the 8x8 grid it was scripted with
+        assert model(torch.randn(1, 3, 48, 48)).shape == (1, 10)  # 12x12 grid, tracked by the hook
+        assert scripted(torch.randn(1, 3, 32, 32)).shape == (1, 10)  # the 8x8 grid it was scripted with
     with pytest.raises(torch.jit.Error, match=r'got 14\d tokens, but its layout expects \d prefix tokens \+ a 8x8'):
         scripted(torch.randn(1, 3, 48, 48))
 
@@ -158,7 +158,7 @@ def test_scripted_vit_keeps_its_grid():
 def test_pvt_v2_grid_needs_no_prior_forward(ffn):
     """PVTv2 passes each block's grid to its MLP (``feat_size``): a swapped model traced by torch.fx before it
     ever ran eagerly trains (timm's backward_fx case), and traced and scripted models follow the input size."""
-    model = timm.create_model('pvt_v2_b0', num_classes=5, img_size=64)
+    model = timm.create_model('pvt_v2_b0', num_classes=5)
     vitblocks.swap_ffn(model, ffn)
     assert model.stages[0].blocks[0].mlp.layout.grid_size is None  # nothing ran yet
     traced = _fx(model.train(), train=True)
@@ -203,7 +203,7 @@ def test_pretrained_cfg_overlay():
     assert timm.data.resolve_data_config({}, model=model)['mean'] == (0.1, 0.2, 0.3)
     assert model.patch_embed.grid_size == (12, 12) and model.blocks[0].mlp.layout.grid_size == (12, 12)
     with torch.no_grad():
-        assert model(torch.randn(1, 3, 48, 48)).shape == (1, 1000)
+        assert model(torch.randn(1, 3, 48, 48)).shape == (1, 10)
     plain = timm.create_model('bench_iffn_vit_tiny_patch4_32')
     assert plain.pretrained_cfg['mean'] != (0.1, 0.2, 0.3) and plain.patch_embed.grid_size == (8, 8)
     feats = timm.create_model('ninformer_vit_patch4_32', features_only=True, pretrained_cfg_overlay=dict(std=(1., 1., 1.)))

@@ -296,9 +296,9 @@ class AFBO(nn.Module):
         if feat_size is not None:
             self.layout.grid_size = (feat_size[0], feat_size[1])
         # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below
-        if not torch.jit.is_scripting() and not (self.training or torch.is_grad_enabled()) \
-                and self._has_inference_path():
-            return self._forward_inference(x)
+        if not torch.jit.is_scripting():
+            if not (self.training or torch.is_grad_enabled()) and self._has_inference_path():
+                return self._forward_inference(x)
         cf = self.layout.channels_first
         if cf:
             if x.ndim != 4:

@@ -72,7 +72,7 @@ class ConvSelfAttention(nn.Module):
         k2, pad = k * k, k // 2
         x_nchw = x.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
         centers = F.avg_pool2d(x_nchw, s, s, ceil_mode=True).permute(0, 2, 3, 1)  # (B, h, w, C)
-        h, w = centers.shape[1:3]
+        h, w = centers.shape[1], centers.shape[2]
         attn = self.attn(centers).reshape(B, h * w, nh, k2, k2).transpose(1, 2)  # (B, nh, N, k2, k2)
         attn = self.attn_drop((attn * self.scale).softmax(dim=-1))
 
@@ -96,8 +96,10 @@ class AtrousDepthwiseConv(nn.Module):
         nn.init.kaiming_uniform_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
-        return sum(F.silu(F.conv2d(x, self.weight, self.bias, padding=d, dilation=d, groups=x.shape[1]))
-                   for d in self.dilations)
+        out = torch.zeros_like(x)  # a loop rather than sum(generator), which TorchScript cannot compile
+        for d in self.dilations:
+            out = out + F.silu(F.conv2d(x, self.weight, self.bias, padding=d, dilation=d, groups=x.shape[1]))
+        return out
 
 
 class RecursiveAtrousSelfAttention(nn.Module):
@@ -129,7 +131,7 @@ class RecursiveAtrousSelfAttention(nn.Module):
         q = q.reshape(B, H * W, nh, C // nh).transpose(1, 2)  # (B, nh, N, C/nh)
         if self.sr is not None:
             x = self.sr_norm(self.sr(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))  # (B, H/r, W/r, C)
-        k, v = self.kv(x).reshape(B, -1, 2, nh, C // nh).permute(2, 0, 3, 1, 4)  # 2 x (B, nh, M, C/nh)
+        k, v = self.kv(x).reshape(B, -1, 2, nh, C // nh).permute(2, 0, 3, 1, 4).unbind(0)  # 2 x (B, nh, M, C/nh)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, H, W, C)))  # (B, nh, N, d) -> (B, H, W, C)
 

@@ -53,7 +53,10 @@ def _entrypoint(spec: VariantSpec):
         feature_kwargs = {k: kwargs.pop(k) for k in FEATURE_KWARGS if k in kwargs}
         # the base is built with our config, so timm derives num_classes / in_chans / img_size (fixed-size
         # families) from it exactly as for its own models, a pretrained_cfg_overlay included
-        model = timm.create_model(spec.base, pretrained=False, pretrained_cfg=cfg, **{**spec.base_kwargs, **kwargs})
+        base_kwargs = dict(spec.base_kwargs)
+        if cfg.get('fixed_input_size') and 'img_size' in base_kwargs:  # a variant built at its own size
+            base_kwargs['img_size'] = tuple(cfg['input_size'][-2:])  # = the registered one, unless overlaid
+        model = timm.create_model(spec.base, pretrained=False, pretrained_cfg=cfg, **{**base_kwargs, **kwargs})
         spec.build(model, {**spec.cfg, **(block_cfg or {})})
         model.pretrained_cfg = model.default_cfg = cfg
         if feature_kwargs.pop('features_only', False):
