@@ -293,8 +293,7 @@ class AFBO(nn.Module):
     # -- reference path (training, autograd, every configuration) ----------------------------
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
-        if feat_size is not None:
-            self.layout.grid_size = (feat_size[0], feat_size[1])
+        self.layout.set_grid(feat_size)
         # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below
         if not torch.jit.is_scripting():
             if not (self.training or torch.is_grad_enabled()) and self._has_inference_path():

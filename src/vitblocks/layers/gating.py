@@ -202,8 +202,7 @@ class LocalityFFN(nn.Module):
 
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
-        if feat_size is not None:
-            self.layout.grid_size = (feat_size[0], feat_size[1])
+        self.layout.set_grid(feat_size)
         x = self.act1(self.fc1(x))
         fmap, prefix = self.layout.to_map(x, 'LocalityFFN')  # prefix tokens bypass the conv
         fmap = self.act2(self.conv(fmap))  # (B, C', H, W): each channel mixes its kxk neighbourhood

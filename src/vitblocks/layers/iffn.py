@@ -228,8 +228,7 @@ class IFFN(nn.Module):
 
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
-        if feat_size is not None:
-            self.layout.grid_size = (feat_size[0], feat_size[1])
+        self.layout.set_grid(feat_size)
         # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below
         if not torch.jit.is_scripting() and self.deploy and not (self.training or torch.is_grad_enabled()):
             return self._forward_inference(x)

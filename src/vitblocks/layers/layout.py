@@ -11,7 +11,7 @@ grid ``(H, W)`` and how many prefix tokens to leave alone. That knowledge lives 
 :class:`TokenLayout`, which the surgery code (``vitblocks.models.surgery``) fills in and keeps
 up to date when the input resolution changes. The grid is never guessed from ``sqrt(N)``.
 """
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -56,6 +56,11 @@ class TokenLayout(nn.Module):
         if layout is not None:
             return layout
         return cls(grid_size, num_prefix_tokens, channels_first)
+
+    def set_grid(self, feat_size: Optional[List[int]]) -> None:
+        """Take the grid a backbone passes with the input (timm's PVTv2 calls ``mlp(x, feat_size)``), if any."""
+        if feat_size is not None:
+            self.grid_size = (feat_size[0], feat_size[1])
 
     def check_grid(self, num_tokens: int, owner: str = 'layer') -> Tuple[int, int]:
         """Return the grid for a token tensor with ``num_tokens`` tokens, or raise a clear error."""

@@ -16,7 +16,7 @@ when the input resolution changes.
 | GlobalContextVit (GC ViT)     | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
 | LVT (``vitblocks.models.lvt``) | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
 
-PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. The grid-aware FFNs (IFFN, AFBO, LocalityFFN)
+PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. The grid-aware FFNs (those with a ``TokenLayout``)
 take that argument as timm's ``MlpWithDepthwiseConv`` does and set their layout from it on every call
 (eager, torch.fx and TorchScript alike, so a model traced before its first forward has its grid); an
 FFN without a ``feat_size`` argument gets a forward pre-hook that drops it (eager only).
