@@ -2,8 +2,7 @@
 backward, pretrained config, features_only, forward_intermediates, torch.fx, TorchScript), written
 for vitblocks. A representative subset runs by default, every registered model under ``slow``.
 
-Not covered, by design (see docs/dense.md): TorchScript for models whose swapped layers are not
-scriptable yet (``NOT_SCRIPTABLE``); a model family that timm itself leaves out of a check
+Not covered, by design (see docs/dense.md): a model family that timm itself leaves out of a check
 (features_only for ViT/MLP-Mixer uses timm's getter wrapper, tested in test_dense.py).
 """
 import math
@@ -21,11 +20,10 @@ ALL = vitblocks.list_models() + vitblocks.models.list_backbones()  # + the backb
 # gating unit and Mixer blocks in a ViT. test_dense.py runs features_only / forward_intermediates
 # for the 224 px families (ViT/DeiT, Swin, PoolFormer, PVTv2) and a detector by default.
 SUBSET = ['ninformer_vit_patch4_32', 'ninformer_baseline_localvit_patch4_32', 'ninformer_baseline_mixer_patch4_28']
-# TorchScript: models whose swapped layers do not script yet (their layers keep a Python TokenLayout,
-# infer list sizes, or call functions stored as attributes): IFFN, AFBO, LocalityFFN, the gating unit
-# and value-activation attention; SCHEME (its channel maps and layout).
-NOT_SCRIPTABLE = ('iffn_', 'afbo_', 'ninformer_vit_', 'ninformer_baseline_localvit_', 'mabvit_glu', 'mabvit_prglu',
-                  'mabvit_gelu', 'scheme_')
+# TorchScript by default also for the 32 px IFFN, AFBO and MABViT-GLU ViTs (the gating unit and LocalityFFN
+# are in SUBSET); every model under slow
+SCRIPT_SUBSET = SUBSET + ['bench_iffn_vit_tiny_patch4_32', 'bench_afbo_vit_tiny_patch4_32',
+                          'bench_mabvit_glu_vit_tiny_patch4_32']
 CFG_KEYS = ('input_size', 'fixed_input_size', 'interpolation', 'crop_pct', 'mean', 'std', 'num_classes', 'pool_size',
             'first_conv', 'classifier')
 
@@ -111,23 +109,73 @@ def test_fx(name):
     assert all(p.grad is not None for p in traced.parameters())
 
 
-SCRIPTABLE = [n for n in ALL if not n.startswith(NOT_SCRIPTABLE)]
-
-
-@pytest.mark.parametrize('name', _slow_unless_subset(SCRIPTABLE))
+@pytest.mark.parametrize('name', [n if n in SCRIPT_SUBSET else pytest.param(n, marks=pytest.mark.slow) for n in ALL])
 def test_torchscript(name):
+    """Every registered model scripts, and the scripted model computes the eager one's outputs, in eval
+    mode (grad off: the deploy forms' eager fast paths against the scripted reference path) and in
+    train mode with gradients (dropout is 0 in every registered model)."""
     with timm.layers.set_scriptable(True):
         model = timm.create_model(name).eval()
     scripted = torch.jit.script(model)
     x = _input(model)
     with torch.no_grad():
         torch.testing.assert_close(scripted(x), model(x))
+    model.train(), scripted.train()
+    torch.testing.assert_close(scripted(x), model(x))
 
 
-def test_not_scriptable_list_is_current():
-    """NOT_SCRIPTABLE names real prefixes (no stale entries that would hide a model from the check)."""
-    for prefix in NOT_SCRIPTABLE:
-        assert any(n.startswith(prefix) for n in ALL), prefix
+def test_torchscript_deployed_form():
+    """A re-parameterized model (IFFN's BatchNorm folded: ``deploy=True`` layers) scripts too; TorchScript
+    runs the reference path of the deploy form, which equals the eager inference path."""
+    model = timm.create_model('bench_iffn_vit_tiny_patch4_32').eval()
+    _randomize_bn(model)
+    deployed = vitblocks.deploy.reparameterize(model)
+    assert deployed.blocks[0].mlp.deploy
+    scripted = torch.jit.script(deployed)
+    x = _input(model, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def _randomize_bn(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-.5, .5), m.running_var.uniform_(.5, 2.)
+
+
+def test_scripted_vit_keeps_its_grid():
+    """The grid hooks are eager-only: a scripted ViT runs at the grid it was scripted with and names a
+    mismatch; the eager model follows the input size (dynamic_img_size)."""
+    model = timm.create_model('bench_iffn_vit_tiny_patch4_32', dynamic_img_size=True).eval()
+    scripted = torch.jit.script(model)
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 48, 48)).shape == (1, 10)  # 12x12 grid, tracked by the hook
+        assert scripted(torch.randn(1, 3, 32, 32)).shape == (1, 10)  # the 8x8 grid it was scripted with
+    with pytest.raises(torch.jit.Error, match=r'got 14\d tokens, but its layout expects \d prefix tokens \+ a 8x8'):
+        scripted(torch.randn(1, 3, 48, 48))
+
+
+@pytest.mark.parametrize('ffn', ['afbo', 'iffn'])
+def test_pvt_v2_grid_needs_no_prior_forward(ffn):
+    """PVTv2 passes each block's grid to its MLP (``feat_size``): a swapped model traced by torch.fx before it
+    ever ran eagerly trains (timm's backward_fx case), and traced and scripted models follow the input size."""
+    model = timm.create_model('pvt_v2_b0', num_classes=5)
+    vitblocks.swap_ffn(model, ffn)
+    assert model.stages[0].blocks[0].mlp.layout.grid_size is None  # nothing ran yet
+    traced = _fx(model.train(), train=True)
+    out = next(iter(traced(torch.randn(2, 3, 64, 64)).values()))
+    out.mean().backward()
+    assert all(p.grad is not None for p in traced.parameters())
+    model.eval()
+    scripted = torch.jit.script(model)
+    eval_traced = _fx(model)
+    for size in (64, 96):  # grids 16x16 / 24x24 in the first stage
+        x = torch.randn(1, 3, size, size)
+        with torch.no_grad():
+            ref = model(x)
+            torch.testing.assert_close(next(iter(eval_traced(x).values())), ref)
+            torch.testing.assert_close(scripted(x), ref)
+        assert model.stages[0].blocks[0].mlp.layout.grid_size == (size // 4, size // 4)
 
 
 def test_variant_config_overrides_are_checked():
@@ -143,3 +191,23 @@ def test_variant_config_overrides_are_checked():
 def test_feature_kwargs_need_features_only():
     with pytest.raises(ValueError, match='features_only=True'):
         timm.create_model('ninformer_vit_patch4_32', out_indices=(1, 2))
+
+
+def test_pretrained_cfg_overlay():
+    """timm.create_model's pretrained_cfg_overlay updates the registered config, as for timm's models: data
+    settings reach the model's config (features_only wrapper included), and a new input_size builds a
+    fixed-size family at that size."""
+    overlay = dict(mean=(0.1, 0.2, 0.3), crop_pct=0.5, input_size=(3, 48, 48))
+    model = timm.create_model('bench_iffn_vit_tiny_patch4_32', pretrained_cfg_overlay=overlay).eval()
+    assert {k: model.pretrained_cfg[k] for k in overlay} == overlay
+    assert model.pretrained_cfg['architecture'] == 'bench_iffn_vit_tiny_patch4_32'
+    assert timm.data.resolve_data_config({}, model=model)['mean'] == (0.1, 0.2, 0.3)
+    assert model.patch_embed.grid_size == (12, 12) and model.blocks[0].mlp.layout.grid_size == (12, 12)
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 48, 48)).shape == (1, 10)
+    plain = timm.create_model('bench_iffn_vit_tiny_patch4_32')
+    assert plain.pretrained_cfg['mean'] != (0.1, 0.2, 0.3) and plain.patch_embed.grid_size == (8, 8)
+    feats = timm.create_model('ninformer_vit_patch4_32', features_only=True, pretrained_cfg_overlay=dict(std=(1., 1., 1.)))
+    assert feats.pretrained_cfg['std'] == (1., 1., 1.)
+    with pytest.raises(RuntimeError, match='no pretrained tag'):
+        timm.create_model('ninformer_vit_patch4_32.in1k')

@@ -51,7 +51,7 @@ Choices where the paper is silent (docs/afbo.md has the reasoning):
   op; AFBO-SC (``order='sm_cm'``) applies the spatial op on the d input channels.
 * No normalization inside (timm's ``norm_layer`` slot after the product is kept, default none).
 """
-from typing import Optional, Tuple, Type, Union
+from typing import List, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,7 @@ from torch import nn
 
 from .activations import act_fn_, activation_name, create_act
 from .channel_maps import create_channel_map
-from .layout import TokenLayout, apply_spatial, batch_slice_size, check_grid
+from .layout import TokenLayout, batch_slice_size, check_grid, merge_tokens
 from .registry import register_ffn
 
 __all__ = ['AFBO', 'SpatialAttention', 'create_spatial_op', 'AFBO_VARIANTS', 'AFBO_VARIANT_ALIASES', 'SPATIAL_OPS',
@@ -291,13 +291,17 @@ class AFBO(nn.Module):
                         sub.reset_parameters()
 
     # -- reference path (training, autograd, every configuration) ----------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training or torch.is_grad_enabled()) and self._has_inference_path():
-            return self._forward_inference(x)
+    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
+        self.layout.set_grid(feat_size)
+        # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below
+        if not torch.jit.is_scripting():
+            if not (self.training or torch.is_grad_enabled()) and self._has_inference_path():
+                return self._forward_inference(x)
         cf = self.layout.channels_first
         if cf:
             if x.ndim != 4:
-                raise ValueError(f'AFBO (channels_first) expects (B, C, H, W), got shape {tuple(x.shape)}')
+                raise ValueError(f'AFBO (channels_first) expects (B, C, H, W), got shape {list(x.shape)}')
             x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C): channel maps act on the last dim
         left, right = self._branches(x)
         z = self._combine(left, right)
@@ -305,23 +309,41 @@ class AFBO(nn.Module):
         y = self.drop2(self.fc2(z))
         return y.permute(0, 3, 1, 2) if cf else y  # (B, H, W, C) -> (B, C, H, W)
 
-    def _branches(self, x: torch.Tensor):
-        if self.order == 'cm':  # AFBO-C
-            return self.left_map(x), self.right_map(x)
-        if self.order == 'sm':  # AFBO-S: shared dense fc1, branches differ in their spatial op
-            h = self.fc1(x)
-            return self._spatial(self.left_spatial, h), self._spatial(self.right_spatial, h)
-        if self.order == 'cm_sm':  # AFBO-CS, Eq. 4
-            return (self._spatial(self.left_spatial, self.left_map(x)),
-                    self._spatial(self.right_spatial, self.right_map(x)))
-        return (self.left_map(self._spatial(self.left_spatial, x)),  # AFBO-SC
-                self.right_map(self._spatial(self.right_spatial, x)))
+    def _branches(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        # written with `is not None` tests on the optional submodules, which TorchScript resolves when compiling
+        if self.fc1 is not None:  # AFBO-S: the dense fc1 is the channel mapping shared by both branches
+            x = self.fc1(x)
+        left, right = x, x
+        if self.order == 'sm_cm':  # AFBO-SC: spatial op on the d input channels, then the channel maps
+            left, right = self._spatial(left, right)
+        if self.left_map is not None and self.right_map is not None:
+            left, right = self.left_map(left), self.right_map(right)
+        if self.order != 'sm_cm':  # AFBO-CS (Eq. 4) and AFBO-S; AFBO-C (order='cm') has no spatial op
+            left, right = self._spatial(left, right)
+        return left, right
 
-    def _spatial(self, op: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        """Apply a map-to-map op to channels-last features; prefix tokens bypass it."""
+    def _spatial(self, left: torch.Tensor, right: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each branch's map-to-map op on channels-last features; prefix tokens bypass it."""
+        if self.left_spatial is None or self.right_spatial is None:
+            return left, right
+        map_l, prefix_l = self._to_map(left)
+        map_r, prefix_r = self._to_map(right)
+        ndim = left.ndim
+        return (self._from_map(self.left_spatial(map_l), prefix_l, ndim),
+                self._from_map(self.right_spatial(map_r), prefix_r, ndim))
+
+    def _to_map(self, h: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Channels-last features (the input was made channels-last in :meth:`forward`) as a map."""
         if h.ndim == 4:
-            return op(h.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H, W, C) -> (B, C, H, W) -> back
-        return apply_spatial(op, h, self.layout, type(self).__name__)
+            return h.permute(0, 3, 1, 2), None  # (B, H, W, C) -> (B, C, H, W)
+        prefix, fmap = self.layout.split_tokens(h, 'AFBO')  # (B, P + H*W, C) -> (B, P, C), (B, C, H, W)
+        return fmap, prefix
+
+    @staticmethod
+    def _from_map(fmap: torch.Tensor, prefix: Optional[torch.Tensor], ndim: int) -> torch.Tensor:
+        if ndim == 4:
+            return fmap.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C)
+        return merge_tokens(prefix, fmap)  # (B, C, H, W) (+ prefix) -> (B, P + H*W, C)
 
     def _combine(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         if self.act_position == 'post':
@@ -367,7 +389,7 @@ class AFBO(nn.Module):
         cf = self.layout.channels_first
         if cf:
             if x.ndim != 4:
-                raise ValueError(f'AFBO (channels_first) expects (B, C, H, W), got shape {tuple(x.shape)}')
+                raise ValueError(f'AFBO (channels_first) expects (B, C, H, W), got shape {list(x.shape)}')
             x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C) view
         spatial = self.spatial_kind is not None
         if x.ndim == 3:  # tokens (B, N, C)
@@ -378,7 +400,7 @@ class AFBO(nn.Module):
             B, gh, gw, C = x.shape
             N, prefix, grid = gh * gw, 0, (gh, gw)
         else:
-            raise ValueError(f'AFBO expects tokens (B, N, C) or a map, got shape {tuple(x.shape)}')
+            raise ValueError(f'AFBO expects tokens (B, N, C) or a map, got shape {list(x.shape)}')
         rows = x.reshape(B, N, C)  # a view unless the input is channels-first
         out = rows.new_empty(B, N, self.out_features)
         hid = self.hidden_features
@@ -426,7 +448,7 @@ class AFBO(nn.Module):
         maps = f'maps={self.map_kinds}' if self.order != 'sm' else 'maps=(shared dense fc1)'
         return (f'{self.in_features} -> {self.hidden_features} -> {self.out_features}, variant={self.variant}, '
                 f'{maps}, order={self.order}, spatial={self.spatial_kind}, kernel_size={self.kernel_size}, '
-                f'act={self.act_name} ({self.act_position}, {self.act_branch}), layout={self.layout}')
+                f'act={self.act_name} ({self.act_position}, {self.act_branch})')
 
 
 @register_ffn('scfbo_gc', inherits=('drop',))

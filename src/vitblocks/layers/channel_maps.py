@@ -113,10 +113,10 @@ class ChannelMap(nn.Module):
             y = self._matmul_autograd(rows)
         else:
             y = self.forward_into(rows, rows.new_empty(rows.shape[0], self.out_features))
-        return y.view(*lead, self.out_features)
+        return y.view(list(lead) + [self.out_features])  # (T, Md) -> (..., Md)
 
     def _matmul_autograd(self, rows: torch.Tensor) -> torch.Tensor:
-        g = self.groups_in_bmm
+        g = self.groups
         if self.bias is not None:
             y = torch.baddbmm(self.bias.view(g, 1, -1), self._input_view(rows), self.bmm_weight())
         else:
@@ -130,7 +130,7 @@ class ChannelMap(nn.Module):
         ``weight`` may be a precomputed :meth:`bmm_weight` (the inference path of AFBO builds it
         once per forward instead of once per batch slice).
         """
-        g = self.groups_in_bmm
+        g = self.groups
         w = self.bmm_weight() if weight is None else weight
         out_view = out.view(out.shape[0], g, -1).transpose(0, 1)  # (T, Md) -> (G, T, n) view of out
         if self.bias is not None:
@@ -138,10 +138,6 @@ class ChannelMap(nn.Module):
         else:
             torch.bmm(self._input_view(rows), w, out=out_view)
         return out
-
-    @property
-    def groups_in_bmm(self) -> int:
-        return self.groups
 
     def extra_repr(self) -> str:
         return f'{self.in_features}, {self.out_features}, groups={self.groups}, bias={self.bias is not None}'
@@ -165,7 +161,8 @@ class DenseChannelMap(ChannelMap):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
 
-    def forward_into(self, rows, out, weight=None):
+    def forward_into(self, rows: torch.Tensor, out: torch.Tensor,
+                     weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         w = self.weight if weight is None else weight
         if self.bias is None:
             return torch.mm(rows, w.t(), out=out)

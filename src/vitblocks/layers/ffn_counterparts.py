@@ -12,7 +12,7 @@
 All follow timm's ``Mlp`` constructor vocabulary and accept ``layout=``; the ones with a
 depthwise conv keep prefix tokens out of it, as AFBO does.
 """
-from typing import Optional, Tuple, Type, Union
+from typing import List, Optional, Tuple, Type, Union
 
 import torch
 from timm.layers import GluMlp, LayerNorm, SwiGLU, to_2tuple
@@ -140,7 +140,8 @@ class ConvGLU(nn.Module):
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        self.layout.set_grid(feat_size)  # timm's PVTv2 passes the grid (feat_size)
         h = self.fc1(_to_channels_last(x, self.layout, 'ConvGLU'))
         h, v = h.chunk(2, dim=-1)  # (..., 2h) -> 2 x (..., h)
         h = self.act(_spatial_channels_last(self.dwconv, h, self.layout, 'ConvGLU')) * v
@@ -185,7 +186,8 @@ class ConvNeXtFFN(nn.Module):
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        self.layout.set_grid(feat_size)  # timm's PVTv2 passes the grid (feat_size)
         h = _spatial_channels_last(self.dwconv, _to_channels_last(x, self.layout, 'ConvNeXtFFN'), self.layout,
                                    'ConvNeXtFFN')
         y = self.fc2(self.drop1(self.act(self.fc1(self.norm(h)))))
@@ -240,7 +242,8 @@ class LocalViTFFN(nn.Module):
         self.bn2 = TokenBatchNorm(out_features, **dd)
         self.drop2 = nn.Dropout(drop_probs[1])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        self.layout.set_grid(feat_size)  # timm's PVTv2 passes the grid (feat_size)
         h = self.act1(self.bn1(self.fc1(_to_channels_last(x, self.layout, 'LocalViTFFN'))))
         h = self.drop1(_spatial_channels_last(self.spatial, h, self.layout, 'LocalViTFFN'))
         y = self.drop2(self.bn2(self.fc2(h)))

@@ -17,14 +17,14 @@ both Eq. 9 and Eq. 10 (the model code ties the block's two norms; see
 :class:`LocalityFFN` is the FFN of the paper's Local-ViT baseline (Sec. 3.1, Eq. 7): the
 per-token MLP with a depthwise convolution between its two 1x1 layers (Li et al., LocalViT).
 """
-from typing import Optional, Tuple, Type, Union
+from typing import List, Optional, Tuple, Type, Union
 
 import torch
 from timm.layers import LayerNorm, get_act_layer, to_2tuple, trunc_normal_
 from timm.models.mlp_mixer import MixerBlock
 from torch import nn
 
-from .layout import TokenLayout, apply_spatial
+from .layout import TokenLayout
 from .registry import register_ffn
 
 __all__ = ['MixerGatingUnit', 'LocalityFFN', 'check_mlp_widths']
@@ -115,7 +115,7 @@ class MixerGatingUnit(nn.Module):
             B, H, W, C = x.shape
             return self._mix(x.reshape(B, H * W, C)).reshape(B, H, W, C)  # (B, H, W, C) -> (B, H*W, C) -> back
         if x.ndim != 3:
-            raise ValueError(f'MixerGatingUnit expects tokens (B, N, C) or a 4-D map, got shape {tuple(x.shape)}')
+            raise ValueError(f'MixerGatingUnit expects tokens (B, N, C) or a 4-D map, got shape {list(x.shape)}')
         return self._mix(x)
 
     def _mix(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,14 +200,15 @@ class LocalityFFN(nn.Module):
                 nn.init.zeros_(m.bias)
         self.conv.reset_parameters()
 
-    def _local(self, fmap: torch.Tensor) -> torch.Tensor:
-        return self.act2(self.conv(fmap))  # (B, C', H, W): each channel mixes its kxk neighbourhood
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
+        self.layout.set_grid(feat_size)
         x = self.act1(self.fc1(x))
-        x = apply_spatial(self._local, x, self.layout, type(self).__name__)  # prefix tokens bypass the conv
+        fmap, prefix = self.layout.to_map(x, 'LocalityFFN')  # prefix tokens bypass the conv
+        fmap = self.act2(self.conv(fmap))  # (B, C', H, W): each channel mixes its kxk neighbourhood
+        x = self.layout.from_map(fmap, prefix, x.ndim)
         x = self.norm(self.drop1(x))
         return self.drop2(self.fc2(x))
 
     def extra_repr(self) -> str:
-        return f'kernel_size={self.conv.kernel_size[0]}, layout={self.layout}'
+        return f'kernel_size={self.conv.kernel_size[0]}'

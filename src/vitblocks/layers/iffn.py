@@ -18,7 +18,7 @@ fewer memory passes and allocations; docs/iffn_speed.md has the measurements beh
 """
 import copy
 import math
-from typing import Optional, Tuple, Type, Union
+from typing import List, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from timm.layers import LayerNorm, LayerNorm2d, to_2tuple
 from torch import nn
 
 from .activations import ConcatArbitraryActivations, act_fn, act_fn_, activation_name
-from .layout import TokenLayout, apply_spatial, batch_slice_size, check_grid, split_tokens
+from .layout import TokenLayout, batch_slice_size, check_grid, split_tokens
 from .registry import register_ffn
 
 __all__ = ['IFFN', 'DepthwiseBlock', 'SumOfNonlinearities']
@@ -223,10 +223,14 @@ class IFFN(nn.Module):
     def _spatial(self, x: torch.Tensor) -> torch.Tensor:
         if self.spatial is None:
             return x
-        return apply_spatial(self.spatial, x, self.layout, type(self).__name__)  # prefix tokens bypass it
+        fmap, prefix = self.layout.to_map(x, 'IFFN')  # prefix tokens bypass the spatial part
+        return self.layout.from_map(self.spatial(fmap), prefix, x.ndim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.deploy and not (self.training or torch.is_grad_enabled()):
+    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
+        self.layout.set_grid(feat_size)
+        # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below
+        if not torch.jit.is_scripting() and self.deploy and not (self.training or torch.is_grad_enabled()):
             return self._forward_inference(x)
         x = self.fc1(x)
         x = self.act(x)
@@ -332,7 +336,7 @@ class IFFN(nn.Module):
 
     def extra_repr(self) -> str:
         return (f'hidden_features={self.hidden_features}, channel_part={self.channel_part}, '
-                f'spatial_part={self.spatial_part}, layout={self.layout}{", deploy=True" if self.deploy else ""}')
+                f'spatial_part={self.spatial_part}{", deploy=True" if self.deploy else ""}')
 
 
 class _Activation(nn.Module):

@@ -11,16 +11,15 @@ grid ``(H, W)`` and how many prefix tokens to leave alone. That knowledge lives 
 :class:`TokenLayout`, which the surgery code (``vitblocks.models.surgery``) fills in and keeps
 up to date when the input resolution changes. The grid is never guessed from ``sqrt(N)``.
 """
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
 
 __all__ = ['TokenLayout', 'split_tokens', 'merge_tokens', 'check_grid', 'apply_spatial']
 
 
-@dataclass
-class TokenLayout:
+class TokenLayout(nn.Module):
     """Where the spatial grid is inside a token tensor.
 
     Args:
@@ -32,10 +31,23 @@ class TokenLayout:
 
     Several layers of one model may share a single instance (all blocks of a ViT see the
     same grid), so updating it once per forward updates them all.
+
+    Why a module (stateless: no parameters or buffers, nothing in the state dict): TorchScript
+    reads typed attributes of submodules, so a layer that holds its layout as a submodule scripts
+    as it is. A scripted model keeps the grid its layouts had when it was scripted (the grid hooks
+    of ``vitblocks.models.surgery`` are eager-only), except where the input carries the grid:
+    maps, Swin blocks, and PVTv2's ``feat_size`` argument.
     """
-    grid_size: Optional[Tuple[int, int]] = None
-    num_prefix_tokens: int = 0
-    channels_first: bool = False
+    grid_size: Optional[Tuple[int, int]]
+    num_prefix_tokens: int
+    channels_first: bool
+
+    def __init__(self, grid_size: Optional[Sequence[int]] = None, num_prefix_tokens: int = 0,
+                 channels_first: bool = False):
+        super().__init__()
+        self.grid_size = (int(grid_size[0]), int(grid_size[1])) if grid_size is not None else None
+        self.num_prefix_tokens = num_prefix_tokens
+        self.channels_first = channels_first
 
     @classmethod
     def resolve(cls, layout: Optional['TokenLayout'], grid_size: Optional[Sequence[int]] = None,
@@ -43,39 +55,86 @@ class TokenLayout:
         """``layout`` when given (a shared instance), else a new one from the layer's own arguments."""
         if layout is not None:
             return layout
-        return cls(tuple(grid_size) if grid_size is not None else None, num_prefix_tokens, channels_first)
+        return cls(grid_size, num_prefix_tokens, channels_first)
+
+    def set_grid(self, feat_size: Optional[List[int]]) -> None:
+        """Take the grid a backbone passes with the input (timm's PVTv2 calls ``mlp(x, feat_size)``), if any."""
+        if feat_size is not None:
+            self.grid_size = (feat_size[0], feat_size[1])
+
+    def check_grid(self, num_tokens: int, owner: str = 'layer') -> Tuple[int, int]:
+        """Return the grid for a token tensor with ``num_tokens`` tokens, or raise a clear error."""
+        grid = self.grid_size
+        if grid is None:
+            raise ValueError(
+                f'{owner} received token input (B, N, C) but has no grid size; pass grid_size=(H, W) when building '
+                'the layer, or swap it into a model with vitblocks.swap_ffn, which tracks the grid.')
+        h, w = grid
+        expected = self.num_prefix_tokens + h * w
+        if num_tokens != expected:
+            raise ValueError(
+                f'{owner} got {num_tokens} tokens, but its layout expects {self.num_prefix_tokens} prefix tokens '
+                f'+ a {h}x{w} grid = {expected}. Update layout.grid_size for this input resolution '
+                '(vitblocks.swap_ffn does this automatically for supported backbones in eager mode; a scripted or '
+                'traced model runs at the input size it was scripted or traced at).')
+        return h, w
+
+    def split_tokens(self, x: torch.Tensor, owner: str = 'layer') -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """Split ``(B, N, C)`` tokens into prefix tokens and a channels-first map.
+
+        Returns ``(prefix, fmap)`` where ``prefix`` is ``(B, P, C)`` (or ``None``) and ``fmap`` is a
+        ``(B, C, H, W)`` *view* in channels-last memory order: no copy is made when the patch
+        tokens are contiguous, and convolutions run on it natively.
+        """
+        B, N, C = x.shape
+        h, w = self.check_grid(N, owner)
+        p = self.num_prefix_tokens
+        prefix: Optional[torch.Tensor] = None
+        patches = x
+        if p > 0:
+            prefix, patches = x[:, :p], x[:, p:]
+        fmap = patches.reshape(B, h, w, C).permute(0, 3, 1, 2)  # (B, H*W, C) -> (B, H, W, C) -> (B, C, H, W)
+        return prefix, fmap
+
+    def to_map(self, x: torch.Tensor, owner: str = 'layer') -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """View any supported layout as a ``(B, C, H, W)`` map, plus the prefix tokens set aside.
+
+        * channels-first maps ``(B, C, H, W)`` go straight through;
+        * channels-last maps ``(B, H, W, C)`` (timm's NHWC MetaFormers, GC ViT) are viewed as ``(B, C, H, W)``;
+        * tokens ``(B, N, C)`` are split with :meth:`split_tokens`.
+
+        :meth:`from_map` puts a map-to-map op's result back in the layout of ``x``.
+        """
+        if self.channels_first:
+            return x, None
+        if x.ndim == 4:
+            return x.permute(0, 3, 1, 2), None  # (B, H, W, C) -> (B, C, H, W)
+        if x.ndim != 3:
+            raise ValueError(f'{owner} expects tokens (B, N, C) or a map, got shape {list(x.shape)}')
+        prefix, fmap = self.split_tokens(x, owner)
+        return fmap, prefix
+
+    def from_map(self, fmap: torch.Tensor, prefix: Optional[torch.Tensor], ndim: int) -> torch.Tensor:
+        """Inverse of :meth:`to_map` for an input of ``ndim`` dimensions."""
+        if self.channels_first:
+            return fmap
+        if ndim == 4:
+            return fmap.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C)
+        return merge_tokens(prefix, fmap)
+
+    def extra_repr(self) -> str:
+        return f'grid_size={self.grid_size}, num_prefix_tokens={self.num_prefix_tokens}, ' \
+               f'channels_first={self.channels_first}'
 
 
 def check_grid(layout: TokenLayout, num_tokens: int, owner: str = 'layer') -> Tuple[int, int]:
     """Return the grid for a token tensor with ``num_tokens`` tokens, or raise a clear error."""
-    if layout.grid_size is None:
-        raise ValueError(
-            f'{owner} received token input (B, N, C) but has no grid size; pass grid_size=(H, W) '
-            'when building the layer, or swap it into a model with vitblocks.swap_ffn, which tracks the grid.')
-    h, w = layout.grid_size
-    expected = layout.num_prefix_tokens + h * w
-    if num_tokens != expected:
-        raise ValueError(
-            f'{owner} got {num_tokens} tokens, but its layout expects {layout.num_prefix_tokens} prefix tokens '
-            f'+ a {h}x{w} grid = {expected}. Update layout.grid_size for this input resolution '
-            '(vitblocks.swap_ffn does this automatically for supported backbones).')
-    return h, w
+    return layout.check_grid(num_tokens, owner)
 
 
 def split_tokens(x: torch.Tensor, layout: TokenLayout, owner: str = 'layer'):
-    """Split ``(B, N, C)`` tokens into prefix tokens and a channels-first map.
-
-    Returns ``(prefix, fmap)`` where ``prefix`` is ``(B, P, C)`` (or ``None``) and ``fmap`` is a
-    ``(B, C, H, W)`` *view* in channels-last memory order: no copy is made when the patch
-    tokens are contiguous, and convolutions run on it natively.
-    """
-    B, N, C = x.shape
-    h, w = check_grid(layout, N, owner)
-    p = layout.num_prefix_tokens
-    prefix = x[:, :p] if p else None
-    patches = x[:, p:] if p else x
-    fmap = patches.reshape(B, h, w, C).permute(0, 3, 1, 2)  # (B, H*W, C) -> (B, H, W, C) -> (B, C, H, W)
-    return prefix, fmap
+    """:meth:`TokenLayout.split_tokens`: ``(prefix, fmap)`` of ``(B, N, C)`` tokens."""
+    return layout.split_tokens(x, owner)
 
 
 def merge_tokens(prefix: Optional[torch.Tensor], fmap: torch.Tensor) -> torch.Tensor:
@@ -87,21 +146,13 @@ def merge_tokens(prefix: Optional[torch.Tensor], fmap: torch.Tensor) -> torch.Te
     return torch.cat([prefix, patches], dim=1)  # (B, P + H*W, C)
 
 
-def apply_spatial(fn, x: torch.Tensor, layout: TokenLayout, owner: str = 'layer') -> torch.Tensor:
-    """Apply a map-to-map op ``fn: (B, C, H, W) -> (B, C, H, W)`` to any supported layout.
-
-    * channels-first maps ``(B, C, H, W)`` go straight through;
-    * channels-last maps ``(B, H, W, C)`` (timm's NHWC MetaFormers) are viewed as ``(B, C, H, W)``;
-    * tokens ``(B, N, C)`` are split with :func:`split_tokens`; prefix tokens bypass ``fn``.
-    """
-    if layout.channels_first:
-        return fn(x)
-    if x.ndim == 4:
-        return fn(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H, W, C) -> (B, C, H, W) -> back
-    if x.ndim != 3:
-        raise ValueError(f'{owner} expects tokens (B, N, C) or a map, got shape {tuple(x.shape)}')
-    prefix, fmap = split_tokens(x, layout, owner)
-    return merge_tokens(prefix, fn(fmap))
+def apply_spatial(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, layout: TokenLayout,
+                  owner: str = 'layer') -> torch.Tensor:
+    """Apply a map-to-map op ``fn: (B, C, H, W) -> (B, C, H, W)`` to any supported layout
+    (:meth:`TokenLayout.to_map`); prefix tokens bypass ``fn``. Eager helper: a scriptable layer calls
+    ``to_map`` / ``from_map`` around its op itself (TorchScript passes no modules as arguments)."""
+    fmap, prefix = layout.to_map(x, owner)
+    return layout.from_map(fn(fmap), prefix, x.ndim)
 
 
 def batch_slice_size(batch: int, per_sample_bytes: int, budget_bytes: int) -> Optional[int]:

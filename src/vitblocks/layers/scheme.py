@@ -129,7 +129,7 @@ class SCHEME(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout.channels_first:
             if x.ndim != 4:
-                raise ValueError(f'SCHEME (channels_first) expects (B, C, H, W), got shape {tuple(x.shape)}')
+                raise ValueError(f'SCHEME (channels_first) expects (B, C, H, W), got shape {list(x.shape)}')
             x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C)
         y = self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
         if self.mix_logits is not None:

@@ -17,7 +17,7 @@ Attention Block" section)::
 The parallel block is the paper's "Parallel Pre-LN" formulation (Eq. in "Parallel Structure"),
 ``X = X + MHA(LN(X)) + MLP(LN(X))``, as a timm ``Block`` with a different ``forward``.
 """
-from typing import Callable, Dict, Final, Optional, Type
+from typing import Dict, Final, Optional, Type
 
 import torch
 import torch.nn.functional as F
@@ -27,16 +27,17 @@ from torch import nn
 
 __all__ = ['ValueActivationAttention', 'ParallelBlock', 'VALUE_ACTIVATIONS', 'GATED_VALUE_ACTIVATIONS']
 
-# Gate functions of the GLU family: V = gate(X W_1) * (X W_2) on a 2x-wide V projection.
-GATED_VALUE_ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    'swiglu': F.silu,  # the paper's choice: Swish(X W_1) * X W_2
-    'geglu': F.gelu,
-    'glu': torch.sigmoid,  # the original GLU (Dauphin et al., 2017)
+# Gates of the GLU family: V = gate(X W_1) * (X W_2) on a 2x-wide V projection. Modules, as timm's
+# act_layer, so the attention scripts (TorchScript calls no functions stored as attributes).
+GATED_VALUE_ACTIVATIONS: Dict[str, Type[nn.Module]] = {
+    'swiglu': nn.SiLU,  # the paper's choice: Swish(X W_1) * X W_2
+    'geglu': nn.GELU,
+    'glu': nn.Sigmoid,  # the original GLU (Dauphin et al., 2017)
 }
-# Element-wise activations on V (no widening); None means no activation (standard attention).
-_PLAIN_VALUE_ACTIVATIONS: Dict[str, Optional[Callable[[torch.Tensor], torch.Tensor]]] = {
-    'identity': None,
-    'gelu': F.gelu,
+# Element-wise activations on V (no widening); identity means no activation (standard attention).
+_PLAIN_VALUE_ACTIVATIONS: Dict[str, Type[nn.Module]] = {
+    'identity': nn.Identity,
+    'gelu': nn.GELU,
 }
 VALUE_ACTIVATIONS = tuple(GATED_VALUE_ACTIVATIONS) + tuple(_PLAIN_VALUE_ACTIVATIONS)
 
@@ -78,6 +79,7 @@ class ValueActivationAttention(nn.Module):
     ``(2 + 2) * attn_dim`` features, laid out as ``[Q | K | V_gate | V_linear]``.
     """
     fused_attn: Final[bool]
+    gated_value: Final[bool]
 
     def __init__(
             self,
@@ -113,10 +115,10 @@ class ValueActivationAttention(nn.Module):
         self.attn_dim = num_heads * attn_head_dim
         self.scale = attn_head_dim ** -0.5
         self.fused_attn = use_fused_attn()
-        gated_value = self.value_act in GATED_VALUE_ACTIVATIONS
-        self.value_width = (2 if gated_value else 1) * self.attn_dim  # "GLU Variant": V widened to 2x
-        self._gate_fn = GATED_VALUE_ACTIVATIONS.get(self.value_act)
-        self._plain_fn = _PLAIN_VALUE_ACTIVATIONS.get(self.value_act)
+        self.gated_value = self.value_act in GATED_VALUE_ACTIVATIONS
+        self.value_width = (2 if self.gated_value else 1) * self.attn_dim  # "GLU Variant": V widened to 2x
+        # the gate (GLU family) or the element-wise activation on V; no parameters, so no state-dict keys
+        self.v_act = {**GATED_VALUE_ACTIVATIONS, **_PLAIN_VALUE_ACTIVATIONS}[self.value_act]()
 
         self.qkv = nn.Linear(dim, 2 * self.attn_dim + self.value_width, bias=qkv_bias, **dd)
         self.q_norm = norm_layer(attn_head_dim, **dd) if qk_norm else nn.Identity()
@@ -139,12 +141,10 @@ class ValueActivationAttention(nn.Module):
 
     def activate_value(self, v: torch.Tensor) -> torch.Tensor:
         """``Activation(X W_V + B_V)``: ``(..., value_width) -> (..., attn_dim)``."""
-        if self._gate_fn is not None:
+        if self.gated_value:
             v_gate, v_linear = v.chunk(2, dim=-1)  # (..., 2A) -> 2 x (..., A): X W_1, X W_2
-            return self._gate_fn(v_gate) * v_linear  # e.g. SwiGLU: Swish(X W_1) * X W_2
-        if self._plain_fn is not None:
-            return self._plain_fn(v)
-        return v
+            return self.v_act(v_gate) * v_linear  # e.g. SwiGLU: Swish(X W_1) * X W_2
+        return self.v_act(v)  # GELU, or nn.Identity for standard attention
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:

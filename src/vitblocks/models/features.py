@@ -70,5 +70,5 @@ def features_only(model: nn.Module, name: str, out_indices: Optional[Any] = None
     if img_size is not None:
         kwargs['img_size'] = img_size  # keep the built size in the traits (not the config's default)
     # build_model_with_cfg calls model_cls(**model kwargs); the model is built already
-    return build_model_with_cfg(lambda **_: model, name, pretrained=False, feature_cfg=_family_feature_cfg(model),
-                                features_only=True, **kwargs)
+    return build_model_with_cfg(lambda **_: model, name, pretrained=False, pretrained_cfg=model.pretrained_cfg,
+                                feature_cfg=_family_feature_cfg(model), features_only=True, **kwargs)

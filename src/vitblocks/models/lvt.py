@@ -72,7 +72,7 @@ class ConvSelfAttention(nn.Module):
         k2, pad = k * k, k // 2
         x_nchw = x.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
         centers = F.avg_pool2d(x_nchw, s, s, ceil_mode=True).permute(0, 2, 3, 1)  # (B, h, w, C)
-        h, w = centers.shape[1:3]
+        h, w = centers.shape[1], centers.shape[2]
         attn = self.attn(centers).reshape(B, h * w, nh, k2, k2).transpose(1, 2)  # (B, nh, N, k2, k2)
         attn = self.attn_drop((attn * self.scale).softmax(dim=-1))
 
@@ -96,8 +96,8 @@ class AtrousDepthwiseConv(nn.Module):
         nn.init.kaiming_uniform_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
-        out = torch.zeros_like(x)
-        for d in self.dilations:  # a loop, not sum(generator): TorchScript scripts the loop
+        out = torch.zeros_like(x)  # a loop rather than sum(generator), which TorchScript cannot compile
+        for d in self.dilations:
             out = out + F.silu(F.conv2d(x, self.weight, self.bias, padding=d, dilation=d, groups=x.shape[1]))
         return out
 

@@ -135,8 +135,8 @@ class LVViT(VisionTransformer):
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Class-token logits plus 0.5 x the per-class max of the aux head over the patch tokens."""
-        # timm ViT's forward_head, spelled out: TorchScript cannot call super()
-        pooled = self.head_drop(self.fc_norm(self.pool(x)))
+        # timm's VisionTransformer.forward_head spelled out: TorchScript compiles no super() call
+        pooled = self.head_drop(self.fc_norm(self.pool(x)))  # (B, N, D) -> (B, D): the class token
         if pre_logits:
             return pooled
         logits = self.head(pooled)
@@ -147,8 +147,9 @@ class LVViT(VisionTransformer):
 
 
 def _cfg(**kwargs):
-    return dict(dict(url='', num_classes=1000, input_size=(3, 224, 224), pool_size=None, crop_pct=0.9,
-                     interpolation='bicubic', mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
+    # fixed_input_size: the patch embedding checks the image size (strict_img_size), as timm's ViT configs declare
+    return dict(dict(url='', num_classes=1000, input_size=(3, 224, 224), fixed_input_size=True, pool_size=None,
+                     crop_pct=0.9, interpolation='bicubic', mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
                      first_conv='patch_embed.proj.0', classifier=('head', 'aux_head')), **kwargs)
 
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import timm
 from timm.models import get_pretrained_cfg, register_model
+from timm.models._builder import resolve_pretrained_cfg
 from torch import nn
 
 from .features import FEATURE_KWARGS, features_only
@@ -46,13 +47,18 @@ def _entrypoint(spec: VariantSpec):
         if pretrained:
             raise RuntimeError(f'{spec.name} has no published pretrained weights; train one with `vitblocks train` '
                                f'or pass checkpoint_path= to timm.create_model')
-        for key in ('pretrained_cfg', 'pretrained_cfg_overlay', 'cache_dir'):
-            kwargs.pop(key, None)
+        kwargs.pop('cache_dir', None)  # no weights to download
+        cfg = _resolve_cfg(spec, kwargs.pop('pretrained_cfg', None), kwargs.pop('pretrained_cfg_overlay', None))
         # features_only wraps the *swapped* model, so the timm base is built whole (see features.py)
         feature_kwargs = {k: kwargs.pop(k) for k in FEATURE_KWARGS if k in kwargs}
-        model = timm.create_model(spec.base, pretrained=False, **{**spec.base_kwargs, **kwargs})
+        # the base is built with our config, so timm derives num_classes / in_chans / img_size (fixed-size
+        # families) from it exactly as for its own models, a pretrained_cfg_overlay included
+        base_kwargs = dict(spec.base_kwargs)
+        if cfg.get('fixed_input_size') and 'img_size' in base_kwargs:  # a variant built at its own size
+            base_kwargs['img_size'] = tuple(cfg['input_size'][-2:])  # = the registered one, unless overlaid
+        model = timm.create_model(spec.base, pretrained=False, pretrained_cfg=cfg, **{**base_kwargs, **kwargs})
         spec.build(model, {**spec.cfg, **(block_cfg or {})})
-        model.pretrained_cfg = model.default_cfg = _default_cfg(spec)
+        model.pretrained_cfg = model.default_cfg = cfg
         if feature_kwargs.pop('features_only', False):
             return features_only(model, spec.name, **feature_kwargs)
         if feature_kwargs:
@@ -68,8 +74,13 @@ def _entrypoint(spec: VariantSpec):
 default_cfgs: Dict[str, Dict[str, Any]] = {}  # read by timm's register_model
 
 
-def _default_cfg(spec: VariantSpec) -> Dict[str, Any]:
-    return get_pretrained_cfg(spec.name).to_dict()  # the registered config, as timm's builder sets it
+def _resolve_cfg(spec: VariantSpec, pretrained_cfg: Any, overlay: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The model's pretrained config as timm's builder resolves it: the registered one (or a user's
+    ``pretrained_cfg`` dict / ``PretrainedCfg``), updated with ``pretrained_cfg_overlay``."""
+    if isinstance(pretrained_cfg, str):  # a weight tag ('name.tag'): vitblocks registers none
+        raise RuntimeError(f'{spec.name} has no pretrained tag {pretrained_cfg!r} (vitblocks registers no weights); '
+                           f'use the name without a tag and pass checkpoint_path= to timm.create_model')
+    return resolve_pretrained_cfg(spec.name, pretrained_cfg, overlay).to_dict()
 
 
 def register_variant(spec: VariantSpec) -> VariantSpec:

@@ -21,18 +21,25 @@ when the input resolution changes.
 |                               | ``stages[s].blocks[i].global_attn.mlp`` | channels-last ``(B, H, W, C)`` |
 | PyramidVisionLLaMA (``vitblocks.models.vision_llama``) | ``stages[s].blocks[i].mlp`` (SwiGLU) | channels-last ``(B, H, W, C)`` |
 
-PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. A forward pre-hook on each block records
-``feat_size`` in the slot's layout and, for a swapped-in FFN (which takes tokens only), drops the
-extra argument before the FFN sees it; timm's own ``MlpWithDepthwiseConv`` still receives it.
+PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. The grid-aware FFNs (those with a ``TokenLayout``)
+take that argument as timm's ``MlpWithDepthwiseConv`` does and set their layout from it on every call
+(eager, torch.fx and TorchScript alike, so a model traced before its first forward has its grid); an
+FFN without a ``feat_size`` argument gets a forward pre-hook that drops it (eager only).
+
+The grid hooks are eager-only (``torch.jit.is_scripting()`` returns early, timm's pattern): a scripted
+ViT/Mixer/Swin keeps the grid its layouts had when it was scripted, the size its fixed-size timm
+config declares, and ``check_grid`` names any other size.
 """
-from typing import Callable, Iterator, List, Optional, Tuple
+import inspect
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from timm.models.gcvit import GlobalContextVit
 from timm.models.metaformer import MetaFormer
 from timm.models.mlp_mixer import MlpMixer
-from timm.models.pvt_v2 import MlpWithDepthwiseConv, PyramidVisionTransformerV2
+from timm.models.pvt_v2 import Block as PvtV2Block
+from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -62,8 +69,10 @@ def _tracing_symbolically() -> bool:
     return is_fx_symbolic_tracing()  # not is_fx_tracing(): that one logs a deprecation warning per process
 
 
-def _track_patch_grid(patch_embed: nn.Module, args, output: torch.Tensor) -> None:
+def _track_patch_grid(patch_embed: nn.Module, args: Tuple[torch.Tensor], output: torch.Tensor) -> None:
     """Forward hook on a patch embedding: record the grid of this forward in the shared layout."""
+    if torch.jit.is_scripting():  # TorchScript compiles hooks: typed arguments, and nothing past this line
+        return
     if _tracing_symbolically():
         return
     layout = patch_embed._vitblocks_layout
@@ -73,8 +82,10 @@ def _track_patch_grid(patch_embed: nn.Module, args, output: torch.Tensor) -> Non
         layout.grid_size = tuple(patch_embed.dynamic_feat_size(tuple(args[0].shape[-2:])))
 
 
-def _track_block_grid(block: nn.Module, args) -> None:
+def _track_block_grid(block: nn.Module, args: Tuple[torch.Tensor]) -> None:
     """Forward pre-hook on a Swin block, whose input is ``(B, H, W, C)``."""
+    if torch.jit.is_scripting():
+        return
     if _tracing_symbolically():
         return
     x = args[0]
@@ -86,7 +97,7 @@ def _shared_patch_layout(patch_embed: nn.Module, num_prefix_tokens: int) -> Toke
     layout = getattr(patch_embed, '_vitblocks_layout', None)
     if layout is None:
         layout = TokenLayout(tuple(patch_embed.grid_size), num_prefix_tokens)
-        patch_embed._vitblocks_layout = layout
+        _attach(patch_embed, layout)
         patch_embed.register_forward_hook(_track_patch_grid)
     return layout
 
@@ -95,38 +106,25 @@ def _block_layout(block: nn.Module, grid_size) -> TokenLayout:
     layout = getattr(block, '_vitblocks_layout', None)
     if layout is None:
         layout = TokenLayout(tuple(grid_size) if grid_size is not None else None, 0)
-        block._vitblocks_layout = layout
+        _attach(block, layout)
         block.register_forward_pre_hook(_track_block_grid)
     return layout
 
 
+def _attach(module: nn.Module, layout: TokenLayout) -> None:
+    """Keep the layout a hook updates on the timm module it hooks, outside that module's tree (a plain
+    attribute, not a submodule): timm's module and its state dict stay as timm builds them, and the
+    layout is listed once, under the FFNs that use it."""
+    object.__setattr__(module, '_vitblocks_layout', layout)
+
+
 def _drop_feat_size(mlp: nn.Module, args):
-    """Forward pre-hook on an FFN swapped into a PVTv2 block: call it with the tokens only."""
+    """Forward pre-hook on an FFN without a ``feat_size`` argument in a PVTv2 block: call it with the tokens only."""
     return args[:1]
 
 
-def _track_feat_size_arg(block: nn.Module, args) -> None:
-    """Forward pre-hook on a PVTv2 block, called as ``block(x, feat_size)``: record this forward's grid.
-
-    The block calls ``self.mlp(x, feat_size)``; an FFN put there by ``swap_ffn`` takes ``x`` only,
-    so it gets (once) a pre-hook that drops ``feat_size``. timm's ``MlpWithDepthwiseConv`` keeps it.
-    """
-    if not _tracing_symbolically():
-        block._vitblocks_layout.grid_size = (int(args[1][0]), int(args[1][1]))
-    mlp = block.mlp
-    if not isinstance(mlp, MlpWithDepthwiseConv) and not getattr(mlp, '_vitblocks_drops_feat_size', False):
-        mlp.register_forward_pre_hook(_drop_feat_size)
-        mlp._vitblocks_drops_feat_size = True
-
-
-def _feat_size_arg_layout(block: nn.Module) -> TokenLayout:
-    """Layout of a PVTv2 block's MLP, kept current by a pre-hook reading the block's ``feat_size``."""
-    layout = getattr(block, '_vitblocks_layout', None)
-    if layout is None:
-        layout = TokenLayout(None, 0)  # set on every forward, before the MLP runs
-        block._vitblocks_layout = layout
-        block.register_forward_pre_hook(_track_feat_size_arg)
-    return layout
+def _takes_feat_size(mlp: nn.Module) -> bool:
+    return 'feat_size' in inspect.signature(mlp.forward).parameters
 
 
 def find_ffn_slots(model: nn.Module) -> List[Slot]:
@@ -154,7 +152,8 @@ def find_ffn_slots(model: nn.Module) -> List[Slot]:
     elif isinstance(model, PyramidVisionTransformerV2):
         for s, stage in enumerate(model.stages):
             for i, blk in enumerate(stage.blocks):
-                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', _feat_size_arg_layout(blk)))
+                # the grid comes with each call (feat_size); one layout per block, none shared
+                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0)))
     elif isinstance(model, (GlobalContextVit, LVT, CycleMLPNet)):
         for s, stage in enumerate(model.stages):
             for i, blk in enumerate(stage.blocks):  # the blocks run on (B, H, W, C) maps
@@ -241,6 +240,8 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
         kwargs = dict(bias=bias, **_inherited(name, old, cfg), **cfg)
         new = create_ffn(name, c_in, hidden, c_out, layout=layout, device=ref.device, dtype=ref.dtype, **kwargs)
         new.train(old.training)
+        if isinstance(parent, PvtV2Block) and not _takes_feat_size(new):
+            new.register_forward_pre_hook(_drop_feat_size)  # the block calls mlp(x, feat_size)
         setattr(parent, attr, new)
         count += 1
     if count == 0:
