@@ -338,6 +338,7 @@ class RePaDeployedFFN(nn.Module):
         return (f'in_features={self.in_features}, active_features={self.active_features}, '
                 f'linear_path={self.linear_features > 0}, channels_first={self.channels_first}')
 
+
 def _concat_split_checkpoint(module: RePaDeployedFFN, state_dict, prefix, *args) -> None:
     """Load hook: a deployed checkpoint in the split layout written before ``in_proj`` existed
     (``linear.*`` = W~, ``fc1.*`` = W~in) is concatenated into ``in_proj.*``, in place."""
