@@ -4,12 +4,19 @@ Command (results and discussion: docs/afbo.md):
 
     .venv/bin/python benchmarks/afbo_latency.py                 # batch 32, 1 thread, 10 timed batches
     .venv/bin/python benchmarks/afbo_latency.py --threads 2     # torch's default on this 2-core VM
+    .venv/bin/python benchmarks/afbo_latency.py --threads 2 --runs 5 --layer-repeats 0   # target + stability
+
+Target (issue 15): AFBO-T at most 1.08x the latency of DeiT-T at batch 32, stable over repeated
+runs; the last line of part 1 gives the verdict on the median over ``--runs`` interleaved runs
+(model order reversed every other run) with their min / median / max.
 
 What is measured, all in inference mode (eval + torch.inference_mode), wall-clock:
 
 1. end to end: median ms per batch of ``--batch-size`` (32) images for the AFBO model and its
    baseline, measured interleaved batch by batch in one run (vitblocks.profile.benchmark_models),
    so drift and other load on the machine hit both alike; the ratio of the medians is the figure.
+   Also per model: ATen ops per forward (with several threads, each is a fork/join of the thread
+   pool) and minor page faults per forward (fresh zero-filled pages), two load-independent costs.
 2. one FFN on the input it really gets (the first block's, e.g. 32 x 197 tokens x 192 channels for
    DeiT-T): the AFBO layer against timm's Mlp it replaces, interleaved, median ms per call.
 3. each channel map (OCCM with G2, GCCM with G1, block-wise with G2, dense) on the same rows,
@@ -37,7 +44,11 @@ import vitblocks  # noqa: F401  (registers the afbo_* models with timm)
 from vitblocks.layers.afbo import AFBO
 from vitblocks.layers.channel_maps import create_channel_map, map_cost
 from vitblocks.models import find_ffn_slots
-from vitblocks.profile import benchmark_models, fixed_threads, input_size_of
+from vitblocks.profile import fixed_threads, input_size_of
+
+from _ratio_runs import forward_costs, interleaved_runs, target_line
+
+TARGET = 1.08  # AFBO-T / DeiT-T median latency, batch 32 (issue 15)
 
 
 def parse_args(argv=None):
@@ -50,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument('--threads', type=int, default=1, help='torch intra-op threads (default 1, see above)')
     p.add_argument('--warmup', type=int, default=3, help='untimed batches per model (default 3)')
     p.add_argument('--repeats', type=int, default=10, help='timed batches per model, median reported (default 10)')
+    p.add_argument('--runs', type=int, default=1,
+                   help='interleaved runs of part 1; the target line gives min/median/max of the ratio (default 1)')
     p.add_argument('--layer-repeats', type=int, default=20,
                    help='timed calls per FFN / channel map in parts 2 and 3 (default 20; 0 skips them)')
     p.add_argument('--chunk-bytes', type=int,
@@ -96,16 +109,23 @@ def _ffn_input(model, layer: AFBO, batch_size: int) -> torch.Tensor:
 def end_to_end(args) -> None:
     afbo_name, base_name = args.models
     models = {afbo_name: timm.create_model(afbo_name), base_name: timm.create_model(base_name)}
-    res = benchmark_models(models, batch_size=args.batch_size, input_size=input_size_of(models[base_name]),
-                           warmup=args.warmup, repeats=args.repeats, num_threads=args.threads)
+    size = input_size_of(models[base_name])
+    runs = interleaved_runs(models, args.runs, batch_size=args.batch_size, input_size=size,
+                            warmup=args.warmup, repeats=args.repeats, num_threads=args.threads)
+    with fixed_threads(args.threads):
+        costs = {n: forward_costs(m, torch.randn(args.batch_size, *size)) for n, m in models.items()}
+    res = runs[-1]
     base = res[base_name].median_ms
-    print(f'\n1. end to end, batch {args.batch_size}, {args.repeats} interleaved batches per model, ms per batch')
-    print(f'  {"model":34s} {"median":>8s} {"p10":>8s} {"p90":>8s} {"img/s":>7s} {"vs baseline":>12s}')
+    print(f'\n1. end to end, batch {args.batch_size}, {args.repeats} interleaved batches per model, ms per batch'
+          + (f' (the last of {args.runs} runs)' if args.runs > 1 else ''))
+    print(f'  {"model":34s} {"median":>8s} {"p10":>8s} {"p90":>8s} {"img/s":>7s} {"vs baseline":>12s} '
+          f'{"ops/fwd":>8s} {"faults/fwd":>10s}')
     for name, r in res.items():
         print(f'  {name:34s} {r.median_ms:8.1f} {r.p10_ms:8.1f} {r.p90_ms:8.1f} {r.images_per_s:7.1f} '
-              f'{r.median_ms / base:11.3f}x')
-    ratio = res[afbo_name].median_ms / base
-    print(f'  => {afbo_name} / {base_name} = {ratio:.3f}x (median latency, target <= 1.25x)')
+              f'{r.median_ms / base:11.3f}x {costs[name][0]:8d} {costs[name][1]:10d}')
+    ratios = [r[afbo_name].median_ms / r[base_name].median_ms for r in runs]
+    print('  ' + target_line(f'{afbo_name} / {base_name} latency, batch {args.batch_size}, {args.threads} thread(s)',
+                             ratios, TARGET, at_least=False))
 
 
 @torch.inference_mode()

@@ -4,6 +4,11 @@ Command (results and discussion: docs/iffn_speed.md):
 
     .venv/bin/python benchmarks/iffn_latency.py                 # eager: training form, deployed
     .venv/bin/python benchmarks/iffn_latency.py --compile       # + torch.compile of both models
+    .venv/bin/python benchmarks/iffn_latency.py --threads 2 --runs 5 --breakdown-repeats 0   # target, 5 runs
+
+Target (issue 15): the deployed IFFN-S at most 0.95x the latency of DeiT-S at batch 32; the line
+after the eager table gives the verdict on the median over ``--runs`` interleaved runs (model
+order reversed every other run) with their min / median / max.
 
 What is measured, all at ``--batch-size`` (32) in inference mode (eval + torch.inference_mode),
 the models interleaved batch by batch in one run (vitblocks.profile.benchmark_models), so
@@ -42,6 +47,10 @@ from vitblocks.layers import IFFN
 from vitblocks.models import find_ffn_slots
 from vitblocks.profile import benchmark_models, count_macs, fixed_threads, input_size_of
 
+from _ratio_runs import does_work, forward_costs, interleaved_runs, target_line
+
+TARGET = 0.95  # deployed IFFN-S / DeiT-S median latency, batch 32 (issue 15)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
@@ -53,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument('--threads', type=int, help="torch intra-op threads (default: torch's default)")
     p.add_argument('--warmup', type=int, default=3, help='untimed batches per model (default 3)')
     p.add_argument('--repeats', type=int, default=10, help='timed batches per model, median reported (default 10)')
+    p.add_argument('--runs', type=int, default=1,
+                   help='interleaved eager runs; the target line gives min/median/max of the ratio (default 1)')
     p.add_argument('--compile', action='store_true', help='also time torch.compile of both models')
     p.add_argument('--breakdown-repeats', type=int, default=10,
                    help='timed FFN calls per variant for the breakdown (default 10; 0 skips it)')
@@ -92,7 +103,7 @@ def table(header: List[str], rows: List[List[str]]) -> str:
     return '\n'.join([fmt(header), fmt(['-' * w for w in widths])] + [fmt(r) for r in rows])
 
 
-def latency_rows(results, baseline_key: str, op_counts: Optional[Dict[str, int]] = None) -> List[List[str]]:
+def latency_rows(results, baseline_key: str, costs: Optional[Dict[str, tuple]] = None) -> List[List[str]]:
     base = results[baseline_key]
     rows = []
     for name, r in results.items():
@@ -100,7 +111,7 @@ def latency_rows(results, baseline_key: str, op_counts: Optional[Dict[str, int]]
         per_round = statistics.median(t / b for t, b in zip(r.times_ms, base.times_ms))
         rows.append([name, f'{r.median_ms:.1f}', f'{r.p10_ms:.1f}', f'{r.p90_ms:.1f}', f'{r.images_per_s:.1f}',
                      f'{r.median_ms / base.median_ms:.3f}x', f'{per_round:.3f}x']
-                    + ([str(op_counts[name])] if op_counts else []))
+                    + ([str(c) for c in costs[name]] if costs else []))
     return rows
 
 
@@ -124,32 +135,8 @@ class OpTimer(TorchDispatchMode):
         return out
 
 
-class OpCounter(TorchDispatchMode):
-    """Count the ATen ops that do work (views and empty allocations excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split('.')[0]
-        if name not in _VIEWS and not name.startswith('empty') and name != 'new_empty':
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def count_ops(model: nn.Module, x: torch.Tensor, num_threads: Optional[int]) -> int:
-    """Work-doing ATen ops in one inference forward: each is a kernel launch and, with several
-    intra-op threads, a fork/join of the thread pool."""
-    with fixed_threads(num_threads), torch.inference_mode(), OpCounter() as counter:
-        model(x)
-    return counter.count
-
-
 COMPONENTS = ['fc1', "activations (+concat)", "norm C'", 'depthwise block', 'layout copies', 'fc2',
               'output norm', 'other ops']
-_VIEWS = {'dropout', 'view', '_unsafe_view', 't', 'transpose', 'permute', 'unsqueeze', 'slice', 'select', 'expand',
-          'as_strided', 'reshape', 'flatten', 'alias', 'detach', 'split', 'split_with_sizes', 'unbind', 'squeeze'}
 _COPIES = {'cat', 'clone', 'contiguous', '_to_copy', 'copy_', 'copy'}
 
 
@@ -185,7 +172,7 @@ def make_classifier(c_in: int, c_hidden: int, c_out: int):
             return m
         if name in _COPIES:
             return 'layout copies'
-        if name in _VIEWS or name.startswith('empty') or name == 'new_empty':
+        if not does_work(func):
             return 'other ops'
         return state['phase']
     return classify
@@ -274,16 +261,19 @@ def main(argv=None):
     print('deployed IFFN: BN folded, inference path, '
           + (f'batch slices of {chunk / 2 ** 20:.1f} MiB of hidden features\n' if chunk else 'whole batch at once\n'))
 
-    results = benchmark_models({f'{iffn_name} (training form, eval)': iffn_train,
-                                f'{iffn_name} (deployed)': deployed,
-                                f'{base_name} (baseline)': baseline},
-                               batch_size=args.batch_size, input_size=size, warmup=args.warmup,
-                               repeats=args.repeats, num_threads=args.threads)
+    models = {f'{iffn_name} (training form, eval)': iffn_train, f'{iffn_name} (deployed)': deployed,
+              f'{base_name} (baseline)': baseline}
+    runs = interleaved_runs(models, args.runs, batch_size=args.batch_size, input_size=size, warmup=args.warmup,
+                            repeats=args.repeats, num_threads=args.threads)
     x = torch.randn(args.batch_size, *size)
-    op_counts = {name: count_ops(m, x, args.threads) for name, m in
-                 zip(results, (iffn_train, deployed, baseline))}
-    print('eager, ms per batch of', args.batch_size)
-    print(table(LATENCY_HEADER + ['ops/forward'], latency_rows(results, f'{base_name} (baseline)', op_counts)))
+    with fixed_threads(args.threads):
+        costs = {name: forward_costs(m, x) for name, m in models.items()}
+    print('eager, ms per batch of', args.batch_size, f'(the last of {args.runs} runs)' if args.runs > 1 else '')
+    print(table(LATENCY_HEADER + ['ops/forward', 'faults/forward'],
+                latency_rows(runs[-1], f'{base_name} (baseline)', costs)))
+    ratios = [r[f'{iffn_name} (deployed)'].median_ms / r[f'{base_name} (baseline)'].median_ms for r in runs]
+    print(target_line(f'deployed {iffn_name} / {base_name} latency, batch {args.batch_size}, {threads} thread(s)',
+                      ratios, TARGET, at_least=False))
 
     if args.compile:
         compiled = {f'{iffn_name} (deployed, compiled)': torch.compile(deployed),

@@ -195,7 +195,7 @@ def test_fold_in_float64_is_exact_to_double_precision():
     unit = _randomize(RePaFFN(24, 96, layer_scale_init_value=1e-5).double().eval())
     x = torch.randn(3, 5, 24, dtype=torch.float64)
     fused = unit.fuse()
-    assert fused.linear.weight.dtype == torch.float64
+    assert fused.in_proj.weight.dtype == torch.float64
     with torch.no_grad():
         assert _rel(fused(x) - x, unit(x) - x) < 1e-12
 
@@ -203,20 +203,63 @@ def test_fold_in_float64_is_exact_to_double_precision():
 def test_theta_one_is_a_single_linear_layer():
     unit = _randomize(RePaFFN(16, 64, idle_ratio=1.).eval())
     fused = unit.fuse()
-    assert fused.fc1 is None and fused.fc2 is None and fused.act is None
-    assert [n for n, _ in fused.named_parameters()] == ['linear.weight', 'linear.bias']
+    assert fused.fc2 is None and fused.act is None
+    assert [n for n, _ in fused.named_parameters()] == ['in_proj.weight', 'in_proj.bias']
     x = torch.randn(4, 16)
     with torch.no_grad():
-        assert torch.allclose(fused(x), fused.linear(x)) and _rel(fused(x) - x, unit(x) - x) < 1e-5
+        assert torch.allclose(fused(x), fused.in_proj(x)) and _rel(fused(x) - x, unit(x) - x) < 1e-5
 
 
 def test_theta_zero_has_no_linear_path():
     unit = _randomize(RePaFFN(16, 64, idle_ratio=0.).eval())
     fused = unit.fuse()
-    assert fused.linear is None and fused.bias.shape == (16,) and fused.active_features == 64
+    assert fused.linear_features == 0 and fused.in_proj.weight.shape == (64, 16) and fused.bias.shape == (16,)
+    assert fused.active_features == 64
     x = torch.randn(4, 16)
     with torch.no_grad():
         assert _rel(fused(x) - x, unit(x) - x) < 1e-5
+
+
+@pytest.mark.parametrize('layout', sorted(_LAYOUTS))
+@pytest.mark.parametrize('theta', [0., 0.75, 1.])
+def test_deployed_unit_is_one_gemm_and_agrees_with_its_autograd_path(layout, theta):
+    """in_proj = [W~ | W~in] (Eq. 6-7): one layer reads x; the in-place no-grad path equals the
+    out-of-place autograd path and leaves its input untouched."""
+    cf, shape = _LAYOUTS[layout]
+    unit = _randomize(RePaFFN(16, 64, idle_ratio=theta, channels_first=cf).eval())
+    fused, k = unit.fuse(), active_channels(64, theta)
+    assert fused.in_proj.weight.shape[0] == (16 if theta > 0 else 0) + k
+    assert sum(isinstance(m, (nn.Linear, nn.Conv2d)) for m in fused.modules()) == 1 + (k > 0)
+    x = torch.randn(shape)
+    x0 = x.clone()
+    with torch.no_grad():
+        fast = fused(x)
+    assert torch.equal(x, x0)
+    slow = fused(x.requires_grad_())  # autograd on: the out-of-place path
+    slow.sum().backward()
+    assert torch.allclose(fast, slow.detach(), rtol=1e-6, atol=1e-6)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in fused.parameters())
+
+
+@pytest.mark.parametrize('cf', [False, True])
+@pytest.mark.parametrize('theta', [0., 0.75, 1.])
+def test_deployed_unit_loads_the_split_layout_of_older_checkpoints(cf, theta):
+    """Checkpoints written before in_proj stored W~ as ``linear.*`` and W~in as ``fc1.*``."""
+    fused = _randomize(RePaFFN(16, 64, idle_ratio=theta, channels_first=cf).eval()).fuse()
+    lin = fused.linear_features
+    old = {k: v for k, v in fused.state_dict().items() if not k.startswith('in_proj.')}
+    for name in ('weight', 'bias'):
+        w = fused.state_dict()[f'in_proj.{name}']
+        if lin:
+            old[f'linear.{name}'] = w[:lin].clone()
+        if fused.active_features:
+            old[f'fc1.{name}'] = w[lin:].clone()
+    fresh = RePaDeployedFFN.from_config(16, 64, idle_ratio=theta, channels_first=cf)
+    fresh.load_state_dict(old)  # strict
+    x = torch.randn(_LAYOUTS['nchw' if cf else 'tokens'][1])
+    with torch.no_grad():
+        assert torch.equal(fresh(x), fused(x))
+    assert not any(k.startswith('in_proj.') for k in old)  # load_state_dict converted its own copy
 
 
 def test_activation_never_sees_idle_channels():
@@ -413,5 +456,5 @@ def test_swap_and_fuse_keep_mode_and_dtype():
     unit = model.blocks[0].mlp
     assert not unit.training and unit.fc1.weight.dtype == torch.float64
     fused = unit.fuse()
-    assert not fused.training and fused.linear.weight.dtype == torch.float64
+    assert not fused.training and fused.in_proj.weight.dtype == torch.float64
     assert math.isclose(unit.idle_ratio, 0.75)

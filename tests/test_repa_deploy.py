@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import vitblocks  # noqa: F401  (registers the repa_* models)
 from vitblocks.cli import main
@@ -75,6 +75,29 @@ def test_safetensors_round_trip_builds_the_deploy_form_directly(name, tmp_path):
         assert torch.equal(loaded(x), deployed(x))
         ref = model(x)
         assert ((loaded(x) - ref).norm() / ref.norm()).item() < 1e-5  # and it is still the trained model
+
+
+@pytest.mark.parametrize('name', sorted(SMALL))
+def test_checkpoints_in_the_split_layout_still_load(name, tmp_path):
+    """Deployed files written before the one-GEMM layout hold W~ as ``mlp.linear.*`` and W~in as
+    ``mlp.fc1.*``; they load (strict) into today's ``mlp.in_proj = [W~ | W~in]``."""
+    model, size = _trained(name)
+    deployed = reparameterize(model)
+    path = save_deployed(deployed, tmp_path / 'new.safetensors')
+    tensors, old = load_file(path), {}
+    for key, value in tensors.items():
+        if '.in_proj.' in key:
+            unit = deployed.get_submodule(key.split('.in_proj.')[0])
+            c = unit.linear_features
+            old[key.replace('.in_proj.', '.linear.')], old[key.replace('.in_proj.', '.fc1.')] = value[:c], value[c:]
+        else:
+            old[key] = value
+    assert len(old) == len(tensors) + _units(deployed, RePaDeployedFFN) * 2  # weight and bias of each unit split
+    save_file(old, tmp_path / 'old.safetensors', metadata=read_deployed_metadata(path))
+    loaded = load_deployed(name, tmp_path / 'old.safetensors', **SMALL[name][0])
+    x = torch.randn(2, *size)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), deployed(x))
 
 
 def test_saving_a_training_form_model_saves_its_deployed_copy(tmp_path):

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from timm.layers import DropPath, to_2tuple
 from torch import nn
 
-from .activations import _MODULE_ACTIVATIONS, get_base_activation
+from .activations import _MODULE_ACTIVATIONS, act_fn_, activation_name, get_base_activation
 from .batchnorm import TokenBatchNorm
 from .layout import TokenLayout
 
@@ -223,16 +223,17 @@ class RePaFFN(nn.Module):
         deployed = RePaDeployedFFN(c, k, linear_path=linear_path, act_layer=type(self.act),
                                    channels_first=self.channels_first, device=dev, dtype=ref.dtype)
         bias = b2 + w2[:, k:] @ b1[k:]
+        # in_proj = [W~ | W~in]: the merged C x C rows (Eq. 6), then fc1's first K rows (Eq. 7)
+        weights, biases = [w1[:k]], [b1[:k]]
         if linear_path:
             merged = w2[:, k:] @ w1[k:]
             merged += torch.diag(r) if r is not None else torch.eye(c, dtype=fold, device=dev)
-            deployed.linear.weight.copy_(merged.view_as(deployed.linear.weight))
-            deployed.linear.bias.copy_(bias)
+            weights, biases = [merged] + weights, [bias] + biases
         else:
             deployed.bias.copy_(bias)
-        if k:  # Eq. 7: the active path keeps fc1's first K rows and fc2's first K columns
-            deployed.fc1.weight.copy_(w1[:k].view_as(deployed.fc1.weight))
-            deployed.fc1.bias.copy_(b1[:k])
+        deployed.in_proj.weight.copy_(torch.cat(weights).view_as(deployed.in_proj.weight))  # (o, i) -> conv (o, i, 1, 1)
+        deployed.in_proj.bias.copy_(torch.cat(biases))
+        if k:  # Eq. 7: the active path keeps fc2's first K columns
             deployed.fc2.weight.copy_(w2[:, :k].reshape(deployed.fc2.weight.shape))
         return deployed.train(self.training)
 
@@ -244,8 +245,16 @@ class RePaFFN(nn.Module):
 
 
 class RePaDeployedFFN(nn.Module):
-    """The deployed RePa unit (Eq. 7): ``z = linear(x) + fc2(act(fc1(x)))``; buildable from dims,
+    """The deployed RePa unit (Eq. 7): ``z = x W~ + act(x W~in) W~out``; buildable from dims,
     so fused checkpoints load into a freshly built deployed model.
+
+    Both input projections read the same x, so they are stored as one layer ``in_proj`` of
+    ``C + K`` outputs, the rows of W~ (Eq. 6) then those of W~in: one GEMM reads x once and
+    writes ``[x W~ + b | x W~in + b_in]``; the activation runs on the last K columns and
+    ``act(.) W~out`` is accumulated in place into the first C (autograd off). The split layout
+    of the checkpoints saved before (``linear.*``, ``fc1.*``) still loads: a load hook
+    concatenates it. Storing the concatenation, not caching it next to the two layers, keeps
+    one copy of the weights (no second ~C(C+K) per unit) and nothing to keep in sync.
 
     Args:
         in_features: channels C.
@@ -267,16 +276,18 @@ class RePaDeployedFFN(nn.Module):
             raise ValueError(f'a deployed RePa unit needs active channels or a linear path, got '
                              f'active_features={active_features}, linear_path={linear_path}')
         self.in_features, self.active_features = in_features, active_features
+        self.linear_features = in_features if linear_path else 0  # rows of W~ in in_proj (0: theta = 0)
         self.channels_first = layout.channels_first if layout is not None else channels_first
         cf = self.channels_first
         linear = ((lambda i, o, b: nn.Conv2d(i, o, 1, bias=b, **dd)) if cf
                   else (lambda i, o, b: nn.Linear(i, o, b, **dd)))
-        # W~ of Eq. 6; its bias collects every folded bias of the unit
-        self.linear = linear(in_features, in_features, True) if linear_path else None
+        # [W~ | W~in] of Eq. 6-7 as one layer; its bias holds every folded bias of the unit, then b_in
+        self.in_proj = linear(in_features, self.linear_features + active_features, True)
         self.bias = None if linear_path else nn.Parameter(torch.zeros(in_features, **dd))
-        self.fc1 = linear(in_features, active_features, True) if active_features else None
+        self.act_name = activation_name(act_layer)
         self.act = _activation_module(act_layer) if active_features else None
         self.fc2 = linear(active_features, in_features, False) if active_features else None
+        self.register_load_state_dict_pre_hook(_concat_split_checkpoint)
 
     @classmethod
     def from_config(cls, in_features: int, hidden_features: Optional[int] = None, idle_ratio: float = 0.75,
@@ -293,22 +304,31 @@ class RePaDeployedFFN(nn.Module):
                    act_layer=act_layer, channels_first=channels_first, layout=layout, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # `out` is always a fresh tensor, so the active path is accumulated into it in place: no copy
-        # of it into a new result (the out-of-place addmm cost 5-10% of the unit, batch 16-4, on CPU)
         if self.channels_first:  # (B, C, H, W), 1x1 convs
-            out = self.linear(x) if self.linear is not None else x + self.bias.view(-1, 1, 1)
-            if self.fc1 is not None:
-                out.add_(self.fc2(self.act(self.fc1(x))))
-            return out
+            return self._add_active_path(self.in_proj(x), x, 1)  # (B, C, H, W) -> (B, C + K, H, W) -> (B, C, H, W)
         x2 = x.reshape(-1, self.in_features)  # (..., C) -> (M, C)
-        if self.linear is not None:
-            out = F.linear(x2, self.linear.weight, self.linear.bias)  # x W~ + b  (Eq. 6)
-        else:
-            out = x2 + self.bias  # theta = 0: identity shortcut only
-        if self.fc1 is not None:
-            a = self.act(F.linear(x2, self.fc1.weight, self.fc1.bias))  # (M, C) -> (M, K), K channels only
-            out.addmm_(a, self.fc2.weight.t())  # + act(x W~in) W~out  (Eq. 7); vitblocks.profile counts addmm_
-        return out.view(x.shape)  # (M, C) -> (..., C)
+        h = F.linear(x2, self.in_proj.weight, self.in_proj.bias)  # (M, C) -> (M, C + K): [x W~ + b | x W~in + b_in]
+        return self._add_active_path(h, x2, 1).view(x.shape)  # (M, C) -> (..., C)
+
+    def _add_active_path(self, h: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """``h[:C] + act(h[C:]) W~out`` along ``dim`` (Eq. 7), from ``h = [x W~ + b | x W~in + b_in]``."""
+        if self.fc2 is None:  # theta = 1: the unit is the merged C x C layer
+            return h
+        bias = self.bias
+        if bias is None:
+            out = h.narrow(dim, 0, self.linear_features)  # x W~ + b, a view
+        else:  # theta = 0: no linear path, the identity shortcut plus the folded bias
+            out = x + (bias.view(-1, 1, 1) if self.channels_first else bias)  # (C,) -> (C, 1, 1) for NCHW
+        active = h.narrow(dim, self.linear_features, self.active_features)  # x W~in + b_in, the K active channels (a view)
+        if not torch.jit.is_scripting():
+            if not torch.is_grad_enabled():  # no autograd: activate and accumulate in place, no new buffers
+                active = act_fn_(self.act_name)(active)
+                if self.channels_first:
+                    return out.add_(self.fc2(active))  # (B, K, H, W) -> (B, C, H, W)
+                # the out-of-place addmm would copy `out` first (5-10% of the unit at batch 16-4 on CPU);
+                # vitblocks.profile counts addmm_
+                return out.addmm_(active, self.fc2.weight.t())  # (M, K) @ (K, C) added into (M, C)
+        return out + self.fc2(self.act(active))  # autograd needs the activation's input: out of place
 
     def fuse(self) -> 'RePaDeployedFFN':
         """Already deployed: returns self (so re-parameterizing twice is safe)."""
@@ -316,7 +336,16 @@ class RePaDeployedFFN(nn.Module):
 
     def extra_repr(self) -> str:
         return (f'in_features={self.in_features}, active_features={self.active_features}, '
-                f'linear_path={self.linear is not None}, channels_first={self.channels_first}')
+                f'linear_path={self.linear_features > 0}, channels_first={self.channels_first}')
+
+
+def _concat_split_checkpoint(module: RePaDeployedFFN, state_dict, prefix, *args) -> None:
+    """Load hook: a deployed checkpoint in the split layout written before ``in_proj`` existed
+    (``linear.*`` = W~, ``fc1.*`` = W~in) is concatenated into ``in_proj.*``, in place."""
+    for name in ('weight', 'bias'):
+        old = [prefix + f'{layer}.{name}' for layer in ('linear', 'fc1') if prefix + f'{layer}.{name}' in state_dict]
+        if old and prefix + f'in_proj.{name}' not in state_dict:  # both layouts at once: leave it to strict loading
+            state_dict[prefix + f'in_proj.{name}'] = torch.cat([state_dict.pop(k) for k in old])  # -> (C + K, C)
 
 
 def repa_ffn(in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None, *,
