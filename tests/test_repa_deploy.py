@@ -331,3 +331,18 @@ def test_cli_bad_weights_is_a_one_line_user_error(tmp_path, capsys):
                           '--out', str(tmp_path / 'm.onnx'))
     assert code == 2 and out == '' and len(err.strip().splitlines()) == 1
     assert 'not a readable safetensors file' in err and not (tmp_path / 'm.onnx').exists()
+
+
+@pytest.mark.parametrize('name', ['repa_deit_tiny_patch16_224', 'repa_poolformer_s12'])
+def test_deployed_form_runs_under_bf16_autocast(name):
+    """The in-place accumulate (addmm_) is outside autocast's reach: under autocast the deployed unit
+    takes the out-of-place path and matches fp32 to bf16 precision."""
+    kwargs = dict(img_size=64) if 'deit' in name else {}
+    model = reparameterize(timm.create_model(name, num_classes=10, **kwargs).eval())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = model(x)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            out = model(x)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max() < 0.05 * ref.abs().max() + 0.05

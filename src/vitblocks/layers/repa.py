@@ -321,7 +321,9 @@ class RePaDeployedFFN(nn.Module):
             out = x + (bias.view(-1, 1, 1) if self.channels_first else bias)  # (C,) -> (C, 1, 1) for NCHW
         active = h.narrow(dim, self.linear_features, self.active_features)  # x W~in + b_in, the K active channels (a view)
         if not torch.jit.is_scripting():
-            if not torch.is_grad_enabled():  # no autograd: activate and accumulate in place, no new buffers
+            # no autograd: activate and accumulate in place, no new buffers; autocast does not cover the
+            # in-place addmm_ (bf16 activations against the fp32 weight), so it takes the out-of-place path
+            if not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
                 active = act_fn_(self.act_name)(active)
                 if self.channels_first:
                     return out.add_(self.fc2(active))  # (B, K, H, W) -> (B, C, H, W)
