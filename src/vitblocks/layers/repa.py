@@ -323,7 +323,8 @@ class RePaDeployedFFN(nn.Module):
         if not torch.jit.is_scripting():
             # no autograd: activate and accumulate in place, no new buffers; autocast does not cover the
             # in-place addmm_ (bf16 activations against the fp32 weight), so it takes the out-of-place path
-            if not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type):
+            autocast = x.device.type != 'meta' and torch.is_autocast_enabled(x.device.type)  # meta: no autocast
+            if not torch.is_grad_enabled() and not autocast:
                 active = act_fn_(self.act_name)(active)
                 if self.channels_first:
                     return out.add_(self.fc2(active))  # (B, K, H, W) -> (B, C, H, W)
