@@ -69,7 +69,7 @@ def parse_args(argv=None):
                    help='timed FFN calls per variant for the breakdown (default 10; 0 skips it)')
     p.add_argument('--chunk-bytes', type=int,
                    help='IFFN.inference_chunk_bytes for the deployed model: batch slices of this many bytes of '
-                        'hidden features, 0 = whole batch (default: the layer\'s, 8 MiB single-threaded, else 0)')
+                        'hidden features, 0 = whole batch (default: the layer\'s, 8 MiB)')
     p.add_argument('--glibc-no-mmap', action='store_true',
                    help='diagnostic: make glibc malloc keep large blocks (mallopt) instead of mapping fresh, '
                         'zero-filled pages for every big tensor; changes the process, not the models')
@@ -256,8 +256,6 @@ def main(argv=None):
     print(f'MACs per image: {macs_iffn / 1e9:.3f} G vs {macs_base / 1e9:.3f} G = {macs_iffn / macs_base:.3f}x; '
           f'deployed vs training form: max relative difference {rel:.1e}')
     chunk = args.chunk_bytes if args.chunk_bytes is not None else IFFN.inference_chunk_bytes
-    if chunk is None:
-        chunk = 8 * 2 ** 20 if threads == 1 else 0
     print('deployed IFFN: BN folded, inference path, '
           + (f'batch slices of {chunk / 2 ** 20:.1f} MiB of hidden features\n' if chunk else 'whole batch at once\n'))
 

@@ -79,11 +79,24 @@ def test_batch_slices_give_the_same_numbers():
     deployed = ffn.fuse()
     x = torch.randn(5, 13, 16)
     with torch.inference_mode():
+        deployed.inference_chunk_bytes = 0  # the whole batch at once
         whole = deployed(x)
         deployed.inference_chunk_bytes = 2 * 13 * 64 * 4  # two samples per slice: 3 slices
         sliced = deployed(x)
         torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
         assert _rel_err(sliced, ffn(x)) <= RTOL
+
+
+@pytest.mark.parametrize('spatial_act', ['gelu', 'softplus'])  # softplus: no in-place kernel, result used
+def test_inference_path_matches_training_form_for_any_spatial_activation(spatial_act):
+    ffn = perturb_(IFFN(16, 64, spatial_act_layer=spatial_act, grid_size=(3, 4), num_prefix_tokens=1),
+                   std=0.2, batchnorm=True).eval()
+    deployed = ffn.fuse()
+    x = torch.randn(3, 13, 16)
+    with torch.inference_mode():
+        for chunk in (0, 13 * 64 * 4):  # whole batch, then one sample per slice
+            deployed.inference_chunk_bytes = chunk
+            assert _rel_err(deployed(x), ffn(x)) <= RTOL
 
 
 def test_deploy_form_uses_reference_path_under_autograd():

@@ -144,9 +144,8 @@ class IFFN(nn.Module):
     """
 
     # Inference path: process the batch in slices of about this many bytes of C'-wide hidden
-    # features; 0 = whole batch; None = 8 MiB when torch runs single-threaded, else whole batch.
-    # See _forward_inference; set per instance or on the class.
-    inference_chunk_bytes: Optional[int] = None
+    # features; 0 = whole batch. See _forward_inference; set per instance or on the class.
+    inference_chunk_bytes: int = 8 * 2 ** 20
 
     def __init__(
             self,
@@ -271,12 +270,13 @@ class IFFN(nn.Module):
         * The N activations are written by broadcasting into one ``(..., N, C'/N)`` buffer and
           finished in place (no concat copy); the spatial residual is added in place into the
           patch tokens (prefix tokens stay where they are, no concat).
-        * Single-threaded, the batch runs in slices of about 8 MiB of hidden features
-          (``inference_chunk_bytes``), so the C'-wide intermediates stay in cache and the allocator
-          recycles them: fresh tensors of tens of MB are mapped and zero-filled page by page on
-          every allocation, which costs more than the element-wise arithmetic itself. With several
-          intra-op threads every op is a fork/join, and slicing multiplies the ops; on a shared,
-          oversubscribed CPU that cost more than it saved, so slicing is off there by default.
+        * The batch runs in slices of about 8 MiB of hidden features (``inference_chunk_bytes``),
+          so the C'-wide intermediates stay in cache and the allocator recycles them: fresh tensors
+          of tens of MB are mapped and zero-filled page by page on every allocation, which costs
+          more than the element-wise arithmetic itself. Slicing multiplies the ops (each a
+          fork/join of the intra-op threads): on a dedicated CPU that is cheap (IFFN-S, 2 threads,
+          quiet machine: 0.97x DeiT-S sliced, 1.00x whole batch), on an oversubscribed one it
+          can cost more than it saves (set 0 there; docs/iffn_speed.md).
         """
         cf = self.layout.channels_first
         if cf:
@@ -307,8 +307,6 @@ class IFFN(nn.Module):
     def _slice_size(self, x: torch.Tensor) -> Optional[int]:
         """Samples per batch slice of the inference path, None for one slice (``inference_chunk_bytes``)."""
         chunk_bytes = self.inference_chunk_bytes
-        if chunk_bytes is None:
-            chunk_bytes = 8 * 2 ** 20 if torch.get_num_threads() == 1 else 0
         per_sample = math.prod(x.shape[1:-1]) * self.hidden_features * x.element_size()  # hidden bytes
         return batch_slice_size(x.shape[0], per_sample, chunk_bytes)
 
@@ -330,8 +328,11 @@ class IFFN(nn.Module):
             _, fmap = split_tokens(y, self.layout, type(self).__name__)
         else:
             fmap = y.permute(0, 3, 1, 2)  # (b, H, W, C') -> (b, C', H, W) view
-        z = _activate_(self.spatial.act_name, self.spatial.conv(fmap))  # BN folded into the conv
-        fmap.add_(z)  # residual, in place in y
+        z = self.spatial.conv(fmap)  # BN folded into the conv; channels-last (b, C', H, W)
+        # the activation on the standard-contiguous (b, H, W, C') view of the same memory: torch's
+        # element-wise kernels run ~1.4x slower on the channels-last 4D strides (docs/iffn_speed.md)
+        z = _activate_(self.spatial.act_name, z.permute(0, 2, 3, 1))  # (b, C', H, W) -> (b, H, W, C') view
+        fmap.add_(z.permute(0, 3, 1, 2))  # residual, in place in y; (b, H, W, C') -> (b, C', H, W) view
         return y
 
     def extra_repr(self) -> str:
