@@ -16,8 +16,8 @@ import torch.distributed as dist
 from timm.utils import distribute_bn
 from torch.distributed.constants import default_pg_timeout
 
-__all__ = ['DistInfo', 'init_distributed', 'attempt_store', 'agree_on_attempt', 'all_reduce_sum', 'barrier', 'broadcast_object', 'gather_object',
-           'raise_on_every_rank', 'sync_batchnorm_stats', 'shutdown']
+__all__ = ['DistInfo', 'init_distributed', 'attempt_store', 'agree_on_attempt', 'all_reduce_sum', 'barrier',
+           'broadcast_object', 'gather_object', 'raise_on_every_rank', 'sync_batchnorm_stats', 'shutdown']
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,11 @@ def attempt_store(info: DistInfo, timeout: timedelta) -> dist.Store:
     group then finds the killed attempt's keys under the same names -- every rank's gloo address, NCCL's
     unique id -- and a rank that reads its peer's key before the new peer has rewritten it connects to a
     dead port: "Gloo connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712, #167288).
-    torch's own per-attempt prefix, ``TORCHELASTIC_RESTART_COUNT``, is gone and would not do: each node
-    counts its own restarts. So rank 0 names the attempt: it pushes a fresh token to every other rank's
-    queue and releases the token once every rank has acknowledged it. A rank holding a token that is
-    never released (one an earlier attempt pushed for a rank that died before reading it) takes the
-    next one from its queue.
+    torch dropped its per-attempt key prefix (``TORCHELASTIC_RESTART_COUNT``) when the agent took the
+    store over, and that count would not do anyway: each node counts its own restarts. So rank 0 names
+    the attempt: it pushes a fresh token to every other rank's queue and releases the token once every
+    rank has acknowledged it. A rank holding a token that is never released (one an earlier attempt
+    pushed for a rank that died before reading it) takes the next one from its queue.
     """
     store, _, _ = next(dist.rendezvous('env://', timeout=timeout))  # torch's client of the agent's store
     try:
