@@ -9,6 +9,7 @@ import torch
 
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.data import DataError, ShardDataset, StreamingShards, StreamLoader, build_pil_transform
+from vitblocks.data.streaming import expand_shard_url
 from vitblocks.experiments import merge, train
 from vitblocks.experiments.config import ConfigError
 
@@ -35,7 +36,7 @@ def _rows(images: torch.Tensor):
 @pytest.mark.parametrize('workers', [0, 2])
 def test_an_epoch_streams_every_sample_once_in_a_new_order_each_epoch(data, workers):
     split = StreamingShards(str(data), 'train')
-    assert (len(split), split.num_classes, len(split.shards)) == (64, 4, 4)  # from MANIFEST.json, nothing read
+    assert (len(split), split.num_classes, len(split.urls)) == (64, 4, 4)  # from MANIFEST.json, nothing read
     loader = StreamLoader(split, RAW, batch_size=8, seed=1, workers=workers)
     assert len(loader) == 8
     epochs = [list(loader.epoch(e)) for e in (0, 1)]
@@ -85,10 +86,66 @@ def test_streaming_errors_say_what_to_fix(data, tmp_path):
         list(loader.epoch(0))
 
 
+# --- shards given as URLs (train_url): pipe:cat of the local shards stands in for object storage -------------
+
+def _url(data):
+    return f'pipe:cat {data}/tiny-train-{{0000..0003}}.tar.gz'  # a brace pattern: 4 URLs
+
+
+def test_url_shards_stream_every_sample_once_counted_by_the_local_manifest(data):
+    split = StreamingShards(str(data), url=_url(data))
+    assert split.urls == [f'pipe:cat {data}/tiny-train-{i:04d}.tar.gz' for i in range(4)]
+    assert (len(split), split.classes, split.classes_named) == (64, [f'class{i}' for i in range(4)], True)
+    batches = list(StreamLoader(split, RAW, batch_size=8, seed=1, workers=2).epoch(0))
+    want = ShardDataset(str(data), 'train')
+    assert _rows(torch.cat([x for x, _ in batches])) == _rows(want.images)  # each of the 64 images once
+    assert sorted(torch.cat([y for _, y in batches]).tolist()) == sorted(want.targets.tolist())
+
+
+def test_url_sample_and_class_counts_come_from_the_config_or_the_manifest(data, tmp_path):
+    bare = tmp_path / 'bare'  # a local folder without MANIFEST.json / classes.txt
+    bare.mkdir()
+    with pytest.raises(DataError, match=r'tiny-train-0000.tar.gz: .* from MANIFEST.json in .*bare.* set '
+                                        r'train_samples=N'):
+        StreamingShards(str(bare), url=_url(data), num_classes=4)
+    with pytest.raises(DataError, match='there are none; add one, or set num_classes=N'):
+        StreamingShards(str(bare), url=_url(data), num_samples=64)
+    split = StreamingShards(str(bare), url=_url(data), num_samples=40, num_classes=3)
+    assert (len(split), split.classes, split.classes_named) == (40, ['0', '1', '2'], False)
+    assert len(StreamingShards(str(data), url=_url(data), num_samples=64)) == 64  # agrees with the manifest
+    with pytest.raises(DataError, match='train_samples=60, but MANIFEST.json in .* counts 64 samples in these 4'):
+        StreamingShards(str(data), url=_url(data), num_samples=60)
+
+
+def test_s3_https_and_pipe_urls_are_expanded_without_touching_the_network(tmp_path):
+    assert expand_shard_url('s3://bucket/in1k/train-{000..002}.tar') == [
+        f'pipe:aws s3 cp s3://bucket/in1k/train-{i:03d}.tar -' for i in range(3)]
+    assert expand_shard_url('https://host/a-{0..1}.tar?sig=x::pipe:cat /b.tar') == [
+        'https://host/a-0.tar?sig=x', 'https://host/a-1.tar?sig=x', 'pipe:cat /b.tar']
+    manifest = {'classes': ['a', 'b'], 'splits': {'train': {'shards': [
+        {'file': f'train-{i:03d}.tar', 'num_samples': 10 + i} for i in range(3)]}}}
+    (tmp_path / 'MANIFEST.json').write_text(json.dumps(manifest))
+    assert len(StreamingShards(str(tmp_path), url='s3://bucket/in1k/train-{000..002}.tar')) == 33  # by shard name
+    with pytest.raises(DataError, match='a "|" cannot go through timm'):
+        expand_shard_url('pipe:curl -s https://host/a.tar | cat')
+    with pytest.raises(DataError, match='names no .tar / .tar.gz shard'):
+        StreamingShards(str(tmp_path), url='https://host/shard-0001', num_samples=10)
+
+
+def test_training_streams_url_shards_and_evaluates_the_local_split(data, tmp_path, capsys):
+    result = train(_cfg(data, tmp_path, epochs=1, train_url=_url(data), progress='log', log_interval=8))
+    assert result.global_step == 8 and result.final.num_images == 16  # 64 streamed / 8; the 16 local test images
+    assert f'64 images, 4 classes streamed from {_url(data)} (4 shards' in ''.join(capsys.readouterr())
+    with pytest.raises(ConfigError, match='train_url=.* describes a streamed training split; set streaming=true'):
+        _cfg(data, tmp_path, streaming=False, train_url=_url(data))
+    with pytest.raises(ConfigError, match='train_samples=64 describes a streamed'):
+        _cfg(data, tmp_path, streaming=False, train_samples=64)
+
+
 @pytest.mark.skipif(not (SHARED_DATA / 'cifar10' / 'MANIFEST.json').is_file(), reason='needs ../shared/data')
 def test_streams_the_cifar10_shards():
     split = StreamingShards(str(SHARED_DATA / 'cifar10'), 'train')
-    assert (len(split), split.num_classes, len(split.shards)) == (50000, 10, 10)
+    assert (len(split), split.num_classes, len(split.urls)) == (50000, 10, 10)
     tf = build_pil_transform((3, 32, 32), (0.5,) * 3, (0.25,) * 3, training=True, crop_padding=4, uint8=True)
     loader = StreamLoader(split, tf, batch_size=32, workers=2, normalize=((0.5,) * 3, (0.25,) * 3))
     assert len(loader) == 2 * math.ceil(25000 / 32)  # 2 readers of ceil(50000 / 2) samples, in whole batches

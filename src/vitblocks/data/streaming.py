@@ -17,15 +17,24 @@ epoch, which such mounts do fast, instead of the indexed reader's random reads. 
   epoch's remaining number of steps; ``checkpoint_interval`` is refused;
 - **corrupt samples** are skipped with a warning (timm's ``log_and_continue``), not an error.
 
-The sample count per shard (an epoch's length) and the class names come from MANIFEST.json next
-to the shards; nothing is read from the shards before training starts. Evaluation reads the val
+Where the shards are: ``data``'s training shards on a file system (a mounted object store
+included), or ``url``, a WebDataset URL spec that webdataset opens itself: ``pipe:COMMAND``,
+``http(s)://``, ``gs://``, a local path, each with brace patterns (``shard-{000000..001023}.tar``)
+and ``::`` between specs. ``s3://`` URLs are read through the AWS CLI (``pipe:aws s3 cp URL -``),
+since webdataset has no s3 scheme; a ``pipe:`` URL picks another client or endpoint.
+
+The epoch length is ``num_samples`` if given (``train_samples``), else the per-shard counts in the
+local MANIFEST.json (next to the shards, or in ``data`` for URLs), matched by shard file name;
+the classes come from that folder's MANIFEST.json / classes.txt, else ``num_classes`` (names
+``0..n-1``). Nothing is read from the shards before training starts. Evaluation reads the val
 split map-style (exact, every image once).
 """
 import logging
 import os
+import re
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -34,31 +43,55 @@ from .base import DataError, ImageDataset
 from .loader import DeviceBatches, derive_seed
 from .shards import find_shards, manifest_counts, read_manifest
 
-__all__ = ['StreamingShards', 'StreamLoader']
+__all__ = ['StreamingShards', 'StreamLoader', 'expand_shard_url']
+
+# the shard file a URL reads: the last ``name.tar[.gz]`` / ``.tgz`` in it (a query string after it allowed)
+_SHARD_NAME = re.compile(r'([^/\s:]+\.(?:tar|tar\.gz|tgz))(?:\?\S*)?(?=\s|$)')
+
+
+def expand_shard_url(spec: str) -> List[str]:
+    """One URL per shard: webdataset's ``expand_urls`` (``::``, braces), ``s3://`` through the AWS CLI."""
+    from webdataset.shardlists import expand_urls
+    if '|' in spec:  # timm's split string is "<urls>|<count>"
+        raise DataError(f'{spec}: a "|" cannot go through timm\'s WebDataset split string; put the shell '
+                        f'pipeline in a script and give pipe:/path/to/script.sh URL')
+    return [f'pipe:aws s3 cp {u} -' if u.startswith('s3://') else u for u in expand_urls(spec)]
 
 
 class StreamingShards(ImageDataset):
-    """A streamed split as far as the run needs to know it before reading: shards, size, classes."""
+    """A streamed split as far as the run needs to know it before reading: shards, size, classes.
 
-    def __init__(self, path: str, split: str = 'train'):
-        self.shards = find_shards(str(path), split)
-        self.source = str(path) + (f' [{split}]' if Path(path).is_dir() else '')
-        classes, manifest = read_manifest(self.shards[0].parent)
-        counts = manifest_counts(manifest)
-        unknown = [f for f in self.shards if counts.get(f.name) is None]
-        if unknown:
-            raise DataError(f'{unknown[0]}: streaming=true takes each shard\'s number of samples (the epoch length) '
-                            f'from MANIFEST.json next to the shards ({{"splits": {{"{split}": {{"shards": [{{"file": '
-                            f'"{unknown[0].name}", "num_samples": N}}, ...]}}}}}}), and it lists none for this shard; '
-                            f'add it, or drop streaming=true (the indexed reader counts samples itself)')
-        if not classes:
-            raise DataError(f'{self.shards[0].parent}: streaming=true takes the class names from MANIFEST.json '
-                            f'("classes") or classes.txt next to the shards, and there are none; add one')
-        bad = [f for f in self.shards if not f.name.endswith(('.tar', '.tar.gz'))]
-        if bad:
-            raise DataError(f'{bad[0]}: timm\'s WebDataset reader takes .tar / .tar.gz names; rename the shard')
-        self.classes = list(classes)
-        self.num_samples = sum(counts[f.name] for f in self.shards)
+    Args:
+        path: the dataset (a folder or pattern of shards); with ``url``, the local folder (or a shard
+            in it) whose MANIFEST.json / classes.txt describes the URL's shards.
+        split: which of ``path``'s shards (without ``url``).
+        url: a WebDataset URL spec of the shards to stream instead (module docstring).
+        num_samples: the split's number of samples (an epoch's length), when MANIFEST.json has none.
+        num_classes: the number of classes, when MANIFEST.json / classes.txt have no class list.
+    """
+
+    def __init__(self, path: str, split: str = 'train', url: Optional[str] = None,
+                 num_samples: Optional[int] = None, num_classes: Optional[int] = None):
+        if url:
+            self.urls = expand_shard_url(url)
+            names = [_shard_name(u) for u in self.urls]
+            folder, self.source, self.root = Path(path) if Path(path).is_dir() else Path(path).parent, url, ''
+        else:
+            shards = find_shards(str(path), split)
+            bad = [f for f in shards if not f.name.endswith(('.tar', '.tar.gz'))]
+            if bad:
+                raise DataError(f'{bad[0]}: timm\'s WebDataset reader takes .tar / .tar.gz names; rename the shard')
+            names, folder = [f.name for f in shards], shards[0].parent
+            self.source = str(path) + (f' [{split}]' if Path(path).is_dir() else '')
+            self.root = os.path.commonpath([str(f.resolve().parent) for f in shards])
+            self.urls = [os.path.relpath(f.resolve(), self.root) for f in shards]  # timm joins root and name
+        classes, manifest = read_manifest(folder)
+        self.num_samples = _epoch_length(names, manifest_counts(manifest), num_samples, folder)
+        if not classes and not num_classes:
+            raise DataError(f'{folder}: streaming=true takes the class names from MANIFEST.json ("classes") or '
+                            f'classes.txt in {folder}, and there are none; add one, or set num_classes=N')
+        self.classes = list(classes or [str(i) for i in range(num_classes)])
+        self.classes_named = bool(classes)  # names of a class list, not 0..n-1 made up from num_classes
 
     def __len__(self) -> int:
         return self.num_samples
@@ -71,7 +104,30 @@ class StreamingShards(ImageDataset):
 
     def describe(self) -> str:
         return (f'{self.num_samples} images, {self.num_classes} classes streamed from {self.source} '
-                f'({len(self.shards)} shards, timm WebDataset reader)')
+                f'({len(self.urls)} shards, timm WebDataset reader)')
+
+
+def _shard_name(url: str) -> str:
+    found = _SHARD_NAME.findall(url)
+    if not found:
+        raise DataError(f'{url}: names no .tar / .tar.gz shard; timm\'s WebDataset reader takes shard URLs that '
+                        f'end in (or, for pipe:, contain) such a name')
+    return found[-1]
+
+
+def _epoch_length(names: Sequence[str], counts: dict, num_samples: Optional[int], folder: Path) -> int:
+    """``num_samples`` if given, else the sum of the shards' MANIFEST.json counts (both: they must agree)."""
+    unknown = [n for n in names if counts.get(n) is None]
+    listed = None if unknown else sum(counts[n] for n in names)
+    if num_samples is None and listed is None:
+        raise DataError(f'{unknown[0]}: streaming=true takes each shard\'s number of samples (the epoch length) '
+                        f'from MANIFEST.json in {folder} ({{"splits": {{"train": {{"shards": [{{"file": '
+                        f'"{unknown[0]}", "num_samples": N}}, ...]}}}}}}), and it lists none for this shard; add '
+                        f'it, or set train_samples=N (the number of samples in all the shards)')
+    if num_samples is not None and listed is not None and num_samples != listed:
+        raise DataError(f'train_samples={num_samples}, but MANIFEST.json in {folder} counts {listed} samples in '
+                        f'these {len(names)} shards; drop train_samples, or correct the manifest')
+    return listed if num_samples is None else num_samples
 
 
 class _CheckLabel:
@@ -97,19 +153,18 @@ class StreamLoader:
                  normalize: Optional[Tuple[Sequence[float], Sequence[float]]] = None,
                  erase: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         readers = world_size * max(1, workers)
-        if len(data.shards) < readers:
+        if len(data.urls) < readers:
             raise DataError(f'{data.source}: streaming=true deals whole shards to {world_size} process(es) x '
                             f'{max(1, workers)} loader worker(s) = {readers} readers, but there are only '
-                            f'{len(data.shards)} shards; use workers={max(1, len(data.shards) // world_size)} or '
+                            f'{len(data.urls)} shards; use workers={max(1, len(data.urls) // world_size)} or '
                             f'fewer, or cut the set into more shards')
         from timm.data import create_dataset
-        root = os.path.commonpath([str(f.resolve().parent) for f in data.shards])
-        names = '::'.join(os.path.relpath(f.resolve(), root) for f in data.shards)  # timm's split string
+        names = '::'.join(data.urls)  # timm's split string: "<url>::<url>...|<count>", each joined to root
         wds_log = logging.getLogger('timm.data.readers.reader_wds')
         level = wds_log.level
-        wds_log.setLevel(logging.ERROR)  # its "no _info.json" warning: our counts come from MANIFEST.json
+        wds_log.setLevel(logging.ERROR)  # its "no _info.json" warning: the count is ours
         try:
-            self.dataset = create_dataset('wds/', root=root, split=f'{names}|{data.num_samples}', is_training=True,
+            self.dataset = create_dataset('wds/', root=data.root, split=f'{names}|{data.num_samples}', is_training=True,
                                           batch_size=batch_size, seed=seed, input_img_mode='L' if channels == 1
                                           else 'RGB', transform=transform,
                                           target_transform=_CheckLabel(data.num_classes, data.source))

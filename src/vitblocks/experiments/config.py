@@ -25,8 +25,8 @@ RESUME_CHANGEABLE = frozenset({'epochs', 'max_steps', 'workers', 'threads', 'pro
                                'checkpoint_interval', 'eval_interval', 'tensorboard', 'device',
                                'compile', 'compile_mode', 'resume', 'channels_last', 'grad_accum'})
 # keys that say where a run lives or reads from, not what it computes: a resumed run may differ in them
-# (``data`` only when the dataset is the same one, checked against the checkpoint's dataset manifest)
-RESUME_LOCATION = frozenset({'data', 'output', 'name', 'initial_checkpoint'})
+# (``data``/``train_url`` only when the dataset is the same one, checked against the checkpoint's dataset manifest)
+RESUME_LOCATION = frozenset({'data', 'train_url', 'output', 'name', 'initial_checkpoint'})
 
 
 class ConfigError(ValueError):
@@ -57,6 +57,8 @@ class TrainConfig:
     pipeline: str = 'auto'          # 'tensor' (batched uint8, in-memory data), 'pil' (timm transforms), 'auto'
     uint8_batches: bool = True      # pil: workers return uint8, normalized (and erased) on the device; false: float32
     streaming: bool = False         # stream the training shards through timm's WebDataset reader (approximate epochs)
+    train_url: Optional[str] = None  # streaming: the training shards as a WebDataset URL spec (pipe:, https://, s3://)
+    train_samples: Optional[int] = None  # streaming: the training split's sample count, if MANIFEST.json has none
     hflip: float = 0.5
     vflip: float = 0.0
     crop_padding: int = 0           # random crop of the zero-padded image (CIFAR style)
@@ -228,6 +230,10 @@ def _check_values(data: Mapping[str, Any], where: str) -> Dict[str, Any]:
 
 def _validate(cfg: TrainConfig) -> None:
     """Checks that involve more than one key (single values are checked by the schema)."""
+    for key in ('train_url', 'train_samples'):
+        if getattr(cfg, key) is not None and not cfg.streaming:
+            raise ConfigError(f'{key}={getattr(cfg, key)} describes a streamed training split; set streaming=true '
+                              f'(the map-style reader finds and counts the shards of data itself), or drop {key}')
     if cfg.streaming:  # a stream has neither random access nor a position inside an epoch
         clash = [(cfg.pipeline == 'tensor', 'pipeline=tensor (decodes the whole split in memory)', 'pipeline=pil'),
                  (cfg.train_subset, f'train_subset={cfg.train_subset} (a random subset needs random access)',

@@ -5,15 +5,19 @@ CUDA, gloo on CPU). A plain ``python``/``vitblocks`` launch is one process, no g
 """
 import os
 import socket
+import time
+import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 from timm.utils import distribute_bn
+from torch.distributed.constants import default_pg_timeout
 
-__all__ = ['DistInfo', 'init_distributed', 'all_reduce_sum', 'barrier', 'broadcast_object', 'gather_object',
-           'raise_on_every_rank', 'sync_batchnorm_stats', 'shutdown']
+__all__ = ['DistInfo', 'init_distributed', 'attempt_store', 'agree_on_attempt', 'all_reduce_sum', 'barrier',
+           'broadcast_object', 'gather_object', 'raise_on_every_rank', 'sync_batchnorm_stats', 'shutdown']
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device_type: str) -> DistInfo:
+def init_distributed(device_type: str, timeout: timedelta = default_pg_timeout) -> DistInfo:
     world = int(os.environ.get('WORLD_SIZE', '1'))
     if world <= 1:
         return DistInfo()
@@ -40,8 +44,64 @@ def init_distributed(device_type: str) -> DistInfo:
         backend = 'nccl' if device_type == 'cuda' else 'gloo'
         if device_type == 'cuda':
             torch.cuda.set_device(info.local_rank)
-        dist.init_process_group(backend=backend)
+        if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':  # torchrun's c10d rendezvous (the default)
+            store = attempt_store(info, timeout)
+            dist.init_process_group(backend=backend, store=store, rank=info.rank, world_size=world, timeout=timeout)
+        else:  # env:// (srun, a static rendezvous, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): a fresh store per launch
+            dist.init_process_group(backend=backend, timeout=timeout)
     return info
+
+
+_ATTEMPTS = 'vitblocks/attempt'
+
+
+def attempt_store(info: DistInfo, timeout: timedelta) -> dist.Store:
+    """torchrun's agent store, seen through a prefix that no earlier attempt of the run has used.
+
+    torchrun's c10d rendezvous serves the workers' store from the agent (``TORCHELASTIC_USE_AGENT_STORE``)
+    and keeps that store, keys included, across ``--max-restarts`` restarts. The restarted workers' process
+    group then finds the killed attempt's keys under the same names -- every rank's gloo address, NCCL's
+    unique id -- and a rank that reads its peer's key before the new peer has rewritten it connects to a
+    dead port: "Gloo connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712, #167288).
+    torch dropped its per-attempt key prefix (``TORCHELASTIC_RESTART_COUNT``) when the agent took the
+    store over, and that count would not do anyway: each node counts its own restarts. So rank 0 names
+    the attempt: it pushes a fresh token to every other rank's queue and releases the token once every
+    rank has acknowledged it. A rank holding a token that is never released (one an earlier attempt
+    pushed for a rank that died before reading it) takes the next one from its queue.
+    """
+    store, _, _ = next(dist.rendezvous('env://', timeout=timeout))  # torch's client of the agent's store
+    try:
+        token = agree_on_attempt(store, info.rank, info.world_size, timeout)
+    except dist.DistStoreError as e:
+        where = f'{os.environ.get("MASTER_ADDR")}:{os.environ.get("MASTER_PORT")}'
+        raise RuntimeError(f'rank {info.rank} of {info.world_size}: the processes did not all meet in torchrun\'s '
+                           f'store at {where} within {timeout} ({e}); a process of this attempt did not start or '
+                           f'cannot reach that address: check that every node runs the same torchrun command and '
+                           f'can connect to it') from None
+    return dist.PrefixStore(f'{_ATTEMPTS}/{token}/', store)
+
+
+def agree_on_attempt(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """The attempt's token, the same on every rank (``attempt_store``'s handshake; DistStoreError on timeout)."""
+    others = range(1, world_size)
+    if rank == 0:
+        token = uuid.uuid4().hex
+        for peer in others:
+            store.queue_push(f'{_ATTEMPTS}/queue/{peer}', token)
+        store.wait([f'{_ATTEMPTS}/{token}/ack/{peer}' for peer in others], timeout)
+        store.set(f'{_ATTEMPTS}/{token}/go', '1')
+        return token
+    queue, deadline = f'{_ATTEMPTS}/queue/{rank}', time.monotonic() + timeout.total_seconds()
+    token = ''
+    while not (token and store.check([f'{_ATTEMPTS}/{token}/go'])):
+        if not token or store.queue_len(queue):  # the first token, or a newer one than ours
+            token = store.queue_pop(queue).decode()  # blocks up to the store's timeout
+            store.set(f'{_ATTEMPTS}/{token}/ack/{rank}', '1')
+        elif time.monotonic() > deadline:
+            raise dist.DistStoreError(f'rank 0 did not release attempt {token} within {timeout}')
+        else:
+            time.sleep(0.05)
+    return token
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

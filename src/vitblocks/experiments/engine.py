@@ -100,8 +100,9 @@ class Trainer:
             self._notes.append(load_initial_weights(self.model, cfg.initial_checkpoint))
         self.num_classes = _num_outputs(self.model, cfg)
         self.data = setup_data(cfg, self.model, self.num_classes)
-        if ckpt is not None and ckpt.get('config', {}).get('data', cfg.data) != cfg.data:
-            check_same_dataset(ckpt.get('dataset'), self.data, ckpt['config']['data'], cfg.data)
+        for key in ('data', 'train_url'):  # moved data: only the same dataset (class names, split sizes) resumes
+            if ckpt is not None and ckpt.get('config', {}).get(key, getattr(cfg, key)) != getattr(cfg, key):
+                check_same_dataset(ckpt.get('dataset'), self.data, ckpt['config'][key], getattr(cfg, key))
         self.train_loader = make_loader(cfg, self.data, True, self.device, self.dist.rank, self.dist.world_size)
         self.val_loader = make_loader(cfg, self.data, False, self.device, self.dist.rank, self.dist.world_size)
         self.steps_per_epoch = len(self.train_loader) // cfg.grad_accum  # optimizer steps

@@ -202,7 +202,7 @@ RULES: Dict[str, Callable[[Any], str]] = {
     'resume': lambda v: '' if v == 'auto' else "'auto' (or null); to resume a given run use vitblocks train --resume RUN",
     **{k: _POSITIVE_INT for k in ('epochs', 'batch_size', 'log_interval', 'eval_interval', 'lr_base_size',
                                   'max_steps', 'train_subset', 'val_subset', 'threads', 'num_classes', 'recount',
-                                  'grad_accum')},
+                                  'grad_accum', 'train_samples')},
     **{k: _NON_NEGATIVE for k in ('lr', 'lr_base', 'weight_decay', 'warmup_epochs', 'warmup_lr', 'min_lr',
                                   'clip_grad', 'mixup', 'cutmix', 'color_jitter', 'decay_epochs', 'momentum',
                                   'opt_eps')},

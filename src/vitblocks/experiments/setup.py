@@ -137,20 +137,24 @@ def norm_stats(cfg: TrainConfig, model: nn.Module, train: ImageDataset, channels
 
 
 def open_train_split(cfg: TrainConfig) -> ImageDataset:
-    """The training split: map-style (``build_dataset``), or a ``StreamingShards`` under ``streaming=true``."""
+    """The training split: map-style (``build_dataset``), or a ``StreamingShards`` under ``streaming=true``
+    (``data``'s shards, or ``train_url``'s described by ``data``'s MANIFEST.json)."""
     if not cfg.streaming:
         return build_dataset(cfg.data, cfg.train_split)
     path = resolve_data_path(cfg.data)
-    if not is_shard_path(path):
+    if not cfg.train_url and not is_shard_path(path):
         raise ConfigError(f'streaming=true streams WebDataset shards (.tar/.tar.gz); {cfg.data} holds none (drop '
-                          f'streaming=true for image folders)')
-    return StreamingShards(path, cfg.train_split)
+                          f'streaming=true for image folders, or give the shards as train_url=URL)')
+    return StreamingShards(path, cfg.train_split, url=cfg.train_url, num_samples=cfg.train_samples,
+                           num_classes=cfg.num_classes)
 
 
 def setup_data(cfg: TrainConfig, model: nn.Module, num_classes: Optional[int] = None) -> DataSetup:
     train = open_train_split(cfg)
     val_split = cfg.val_split or eval_split_of(cfg.data)
-    val = build_dataset(cfg.data, val_split, classes=train.classes)
+    # a class list made up from num_classes (a streamed split without one) does not name the val split's classes
+    named = getattr(train, 'classes_named', True)
+    val = build_dataset(cfg.data, val_split, classes=train.classes if named else None)
     if val.num_classes != train.num_classes:
         raise DataError(f'{cfg.data}: split {val_split!r} has {val.num_classes} classes, {cfg.train_split!r} has '
                         f'{train.num_classes}')
