@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 import vitblocks.cli as cli
 from vitblocks.deploy.io import is_deployed_file, save_deployed
+from vitblocks.experiments import merge, save_checkpoint
 from vitblocks.profile import fixed_threads
 
 from _helpers import perturb_, randomize_batchnorm_
@@ -109,22 +110,35 @@ def test_deployed_file_evaluates_like_the_training_form(files, cifar_slice, tmp_
     assert _only(again)['loss'] == _only(dep)['loss']
 
 
-def test_recorded_preprocessing_is_what_eval_uses(repa_files, cifar_slice, tmp_path, capsys):
-    """mean/std saved with the file normalize the images (as the training form given them), and no note."""
-    name, pth, without, model = repa_files
-    half = {'mean': [0.5, 0.5, 0.5], 'std': [0.5, 0.5, 0.5], 'input_size': [3, 32, 32]}
-    path = save_deployed(model, tmp_path / 'pre.safetensors', preprocessing=half)
-    code, out, err, dep = _eval(capsys, tmp_path, '--checkpoint', path, '--data', cifar_slice)
-    assert code == 0 and 'note' not in err, err
-    code, out, err, ref = _eval(capsys, tmp_path, '--model', name, '--checkpoint', pth, '--data', cifar_slice,
-                                'model_kwargs={img_size: 32, num_classes: 10}', 'mean=[0.5, 0.5, 0.5]',
-                                'std=[0.5, 0.5, 0.5]')
+def test_run_checkpoint_to_deployed_file_to_eval(repa_files, cifar_slice, tmp_path, capsys):
+    """train -> `export --format safetensors` -> `eval`: the run's mean/std/input size travel in the file
+    (eval then needs the file alone) and give the run checkpoint's own evaluation."""
+    name, _, without, model = repa_files
+    cfg = merge({'model': name, 'data': str(cifar_slice), 'model_kwargs': {'img_size': 32}})
+    run = tmp_path / 'best.pth'
+    save_checkpoint({'model': model.state_dict(), 'config': cfg.to_dict(), 'num_classes': 10,
+                     'classes': (CIFAR / 'classes.txt').read_text().split(), 'input_size': [3, 32, 32],
+                     'mean': [0.5, 0.5, 0.5], 'std': [0.25, 0.25, 0.25]}, run)
+    out = tmp_path / 'deployed.safetensors'
+    code = cli.main(['export', name, '--checkpoint', str(run), '--format', 'safetensors', '--out', str(out),
+                     '--check'])
+    text, err = capsys.readouterr()
     assert code == 0, err
+    assert f'{name}: 3.27 M params, deployed, weights {run}' in text
+    assert ('MiB, records num_classes=10 img_size=[32, 32] in_chans=3 input_size=[3, 32, 32] mean=[0.5, 0.5, 0.5] '
+            'std=[0.25, 0.25, 0.25])') in text
+    assert float(text.split('max abs error ')[1].split()[0]) < 1e-5
+
+    code, _, err, ref = _eval(capsys, tmp_path, '--checkpoint', run, '--data', cifar_slice)
+    assert code == 0, err
+    code, _, err, dep = _eval(capsys, tmp_path, '--checkpoint', out, '--data', cifar_slice)
+    assert code == 0 and 'note' not in err, err
+    assert _only(dep)['top1'] == _only(ref)['top1']
     assert _only(dep)['loss'] == pytest.approx(_only(ref)['loss'], rel=1e-5, abs=1e-6)
-    code, out, err, imagenet = _eval(capsys, tmp_path, '--checkpoint', without, '--data', cifar_slice)
+    code, _, err, imagenet = _eval(capsys, tmp_path, '--checkpoint', without, '--data', cifar_slice)
     assert code == 0 and 'records no mean, std' in err, err
     assert _only(imagenet)['loss'] != pytest.approx(_only(dep)['loss'], rel=1e-3)  # the statistics matter
-    code, out, err, _ = _eval(capsys, tmp_path, '--checkpoint', path, '--data', cifar_slice, 'mean=[0.4, 0.4, 0.4]')
+    code, _, err, _ = _eval(capsys, tmp_path, '--checkpoint', out, '--data', cifar_slice, 'mean=[0.4, 0.4, 0.4]')
     assert code == 2 and 'records mean=[0.5, 0.5, 0.5] (the preprocessing it was trained with), not ' \
                           '[0.4, 0.4, 0.4]; drop mean=' in err
 
