@@ -176,4 +176,6 @@ def test_save_deployed_checks_the_preprocessing(tmp_path):
         save_deployed(model, tmp_path / 'b.safetensors', preprocessing={'mean': [0.5] * 3})
     with pytest.raises(ValueError, match=r'input_size=\[32, 32\]: expected 3 values \(\[C, H, W\]\)'):
         save_deployed(model, tmp_path / 'c.safetensors', preprocessing={'input_size': [32, 32]})
+    with pytest.raises(ValueError, match=r'input_size=\[1, 64, 64\]: the model takes 32x32 images only'):
+        save_deployed(model, tmp_path / 'd.safetensors', preprocessing={'input_size': [1, 64, 64]})
     assert not list(tmp_path.iterdir())  # nothing written

@@ -41,7 +41,8 @@ the file when the weights exceed 2 GB; --onnx-exporter legacy uses torch's Torch
 --check of an ONNX file needs onnxruntime. torchscript (torch.jit.trace) is deprecated: use pt2.
 """
 
-SUFFIX = {'pt2': '.pt2', 'onnx': '.onnx', 'safetensors': '.safetensors'}  # check_export and the loaders tell the formats apart by suffix
+# check_export and the loaders tell the formats apart by suffix
+SUFFIX = {'pt2': '.pt2', 'onnx': '.onnx', 'safetensors': '.safetensors'}
 
 
 def add_parser(subparsers) -> None:
@@ -49,8 +50,8 @@ def add_parser(subparsers) -> None:
                                          'deployed safetensors',
                               description='Build a model (random init, or deployed weights with --weights), '
                                           'optionally re-parameterize it, and export it to a torch.export program '
-                                          '(.pt2) or ONNX; --check compares the exported file with PyTorch on a '
-                                          'random batch.',
+                                          '(.pt2), ONNX or a deployed safetensors file; --check compares the '
+                                          'exported file with PyTorch on a random batch.',
                               epilog=EPILOG)
     p.add_argument('model', help='timm or vitblocks model name')
     p.add_argument('--format', choices=(*FORMATS, 'safetensors'), required=True,

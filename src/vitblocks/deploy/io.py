@@ -4,8 +4,9 @@ A deployed checkpoint holds the state dict of a model in its inference form (eve
 re-parameterizable layer fused) plus a little metadata: the format tag, the model name, the
 sizes it was built with (``num_classes``, ``in_chans`` and, for models that fix it, ``img_size``)
 and, if given, the block config and the preprocessing it was trained with (``input_size``,
-``mean``, ``std``: what ``vitblocks eval`` needs to feed it the images it expects). It loads into a model built *directly* in deploy form, so no
-training-form weights are ever materialized, and by the file alone: name and sizes come from it::
+``mean``, ``std``: what ``vitblocks eval`` needs to feed it the images it expects). It loads into a
+model built *directly* in deploy form, so no training-form weights are ever materialized, and by
+the file alone: name and sizes come from it::
 
     from vitblocks.deploy import reparameterize
     from vitblocks.deploy.io import load_deployed, save_deployed
@@ -95,7 +96,7 @@ def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
 
 def _checked_preprocessing(preprocessing: Dict[str, Sequence[float]], model: nn.Module) -> Dict[str, list]:
     """``preprocessing`` as JSON-ready lists, after checking its keys and lengths against the model."""
-    from ..profile import input_size_of  # profile imports deploy users; keep it lazy
+    from ..profile import fixed_image_size, input_size_of  # profile imports deploy users; keep it lazy
     unknown = sorted(set(preprocessing) - set(PREPROCESSING_KEYS))
     if unknown:
         raise ValueError(f'preprocessing keys {unknown} are not recorded; use {list(PREPROCESSING_KEYS)}')
@@ -107,6 +108,10 @@ def _checked_preprocessing(preprocessing: Dict[str, Sequence[float]], model: nn.
         if len(value) != want:
             raise ValueError(f'preprocessing {key}={value}: expected {want} values'
                              + (' ([C, H, W])' if key == 'input_size' else ' (one per input channel)'))
+    fixed = fixed_image_size(model)
+    if 'input_size' in out and fixed is not None and tuple(out['input_size'][1:]) != fixed:
+        raise ValueError(f'preprocessing input_size={out["input_size"]}: the model takes {fixed[0]}x{fixed[1]} '
+                         f'images only')
     return out
 
 
