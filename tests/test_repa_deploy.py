@@ -317,6 +317,12 @@ def test_cli_torchscript_still_works_with_a_deprecation_warning(tmp_path, capsys
     (['--format', 'torchscript', '--out', 'm.pt2'], 'not .pt2; name --out *.pt'),
     (['--format', 'pt2', '--out', 'm.pt2', '--opset', '17'], '--opset is an ONNX option'),
     (['--format', 'pt2', '--out', 'm.pt2', '--onnx-exporter', 'legacy'], '--onnx-exporter is an ONNX option'),
+    (['--format', 'safetensors', '--out', 'm.pt2'], '--format safetensors writes a .safetensors file; name --out '
+                                                    'm.safetensors'),
+    (['--format', 'safetensors', '--out', 'm.safetensors', '--static-batch'], '--static-batch applies to traced '
+                                                                              'formats (pt2, onnx)'),
+    (['--format', 'safetensors', '--out', 'm.safetensors', '--weights', 'd.safetensors'],
+     '--weights d.safetensors is a deployed safetensors file already; copy it instead'),
 ])
 def test_cli_contradictory_format_options_are_one_line_errors(tmp_path, capsys, argv, message):
     code, out, err = _cli(capsys, 'deit_tiny_patch16_224', *argv)

@@ -1,18 +1,21 @@
 """`vitblocks eval --model NAME --checkpoint PATH --data PATH [--reparam]`: accuracy, loss, speed."""
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
 from timm.utils import reparameterize_model
 
 from ..data import DataError, build_dataset, eval_split_of
+from ..deploy.io import (DeployedCheckpointError, is_deployed_file, load_deployed, read_deployed_metadata,
+                         recorded_preprocessing)
 from ..experiments import CheckpointError, ConfigError, evaluate, load_model_weights, merge, parse_overrides
 from ..experiments.checkpoint import FORMAT, read_checkpoint
 from ..experiments.distributed import init_distributed
 from ..experiments.robustness import ROBUSTNESS_SETS, mean_corruption_error, robustness_sets
 from ..experiments.setup import DataSetup, create_model, make_loader, model_input_size, norm_stats, resolve_device
-from ..profile import count_macs, count_params
+from ..profile import count_macs, count_params, fixed_image_size
 from .common import CliError, check_writable_file, positive_int, render_table, resolve
 
 NAME = 'eval'
@@ -22,10 +25,16 @@ examples:
   vitblocks eval --checkpoint runs/RUN/best.pth --data /path/to/cifar10
   vitblocks eval --model repa_deit_tiny_patch16_224 --checkpoint w.safetensors --data /path/to/imagenet --reparam
   vitblocks eval --model deit_tiny_patch16_224 --checkpoint w.pth --data /path/to/imagenet-r --robustness imagenet-r
+  vitblocks eval --checkpoint deployed.safetensors --data /path/to/cifar10
 
 A vitblocks run checkpoint carries its model, classes and preprocessing (--model is then
 optional); other checkpoints (safetensors, timm .pth, bare state_dict) need --model, and
 KEY=VALUE config overrides such as model_kwargs='{img_size: 32}' if the model was built so.
+A deployed file (vitblocks.deploy.io.save_deployed) is evaluated as it is: built in deploy form by
+the name, num_classes, img_size, in_chans and block config it records (--model is then optional;
+another model is refused), normalized with the mean/std/input size it records, else the model
+config's (a note then names the overrides to pass: mean=[...] std=[...] input_size=[C,H,W]).
+--reparam on it does nothing (it says so); --ema is refused (a deployed file holds one set of weights).
 Top-5 is top-k with k = min(5, classes). images/s is measured over the whole evaluation
 (data pipeline included) on the chosen device. GMACs are counted for one image. val_subset=N
 evaluates the first N images only. The data's class names must be among the checkpoint's
@@ -77,6 +86,51 @@ def _load(args):
     return merge(*layers), state, meta
 
 
+def _load_deployed(args, path: Path):
+    """(config, model in deploy form with the file's weights, checkpoint-like metadata) for a deployed
+    safetensors file: built by the name and sizes the file records, loaded strictly (``load_deployed``)."""
+    metadata = read_deployed_metadata(path)
+    saved = metadata.get('architecture', '')
+    if args.ema:
+        raise CliError(f'{path} is a deployed file: it holds one set of weights (folded from the model it was '
+                       f'saved from, EMA or not); drop --ema')
+    if args.model and saved and resolve(args.model).split('.')[0] != saved.split('.')[0]:
+        raise CliError(f'{path} holds the deployed weights of {saved}, not {args.model}; drop --model (the file '
+                       f'names its model)')
+    name = saved or (resolve(args.model) if args.model else '')
+    if not name:
+        raise CliError(f'{path} is a deployed file that records no model name; say which model it holds with --model')
+    if args.reparam:
+        print(f'vitblocks eval: note: {path} is already deployed (re-parameterized); --reparam does nothing',
+              file=sys.stderr)
+    overrides = parse_overrides(args.overrides)
+    recorded = recorded_preprocessing(metadata)
+    for key in sorted(set(recorded) & set(overrides)):
+        given = overrides[key] if isinstance(overrides[key], str) else [float(v) for v in overrides[key]]
+        if given != [float(v) for v in recorded[key]]:
+            raise CliError(f'{path} records {key}={recorded[key]} (the preprocessing it was trained with), not '
+                           f'{overrides[key]}; drop {key}=')
+    cfg = merge({'model': name}, overrides, {'data': args.data, 'batch_size': args.batch_size,
+                                              'workers': args.workers, 'device': args.device})
+    kwargs = dict(cfg.model_kwargs)  # e.g. the architecture of a custom-size model; sizes must match the file's
+    block_cfg = kwargs.pop('block_cfg', None)
+    if cfg.num_classes is not None:
+        kwargs['num_classes'] = cfg.num_classes
+    try:
+        model = load_deployed(name, path, block_cfg=block_cfg, **kwargs)
+    except DeployedCheckpointError as e:
+        raise CliError(f'{e} (sizes and block config are model_kwargs={{...}} here)'
+                       if 'records no sizes' in str(e) else str(e)) from None
+    missing = [f'{k}=[...]' for k in ('mean', 'std') if k not in recorded and k not in overrides]
+    if ('input_size' not in recorded and 'input_size' not in overrides and 'img_size' not in cfg.model_kwargs
+            and fixed_image_size(model) is None):  # a model that takes any size: the file does not say which
+        missing.append('input_size=[C,H,W]')
+    if missing:
+        print(f'vitblocks eval: note: {path} records no {", ".join(m.split("=")[0] for m in missing)}; using the '
+              f'model config\'s (pass {" ".join(missing)} if it was trained with others)', file=sys.stderr)
+    return cfg, model, {**recorded, 'num_classes': model.num_classes}
+
+
 def _split_opened(dataset) -> str:
     """The split a dataset was really opened as: '[test]' in a shard source, or the split folder's name."""
     tag = re.search(r'\[(\w+)\]$', dataset.source)
@@ -110,8 +164,12 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.json:
         check_writable_file(Path(args.json), '--json')  # before the evaluation, not after it
+    deployed = is_deployed_file(args.checkpoint)
     try:
-        cfg, state, meta = _load(args)
+        if deployed:
+            cfg, model, meta = _load_deployed(args, Path(args.checkpoint))
+        else:
+            cfg, state, meta = _load(args)
         device = resolve_device(cfg.device)
         dist = init_distributed(device.type)
         if device.type == 'cuda' and dist.enabled:
@@ -125,14 +183,15 @@ def run(args) -> int:
             ds = _open_split(cfg, split, args.split is not None, classes)
             num_classes = num_classes or ds.num_classes
             sets = [None]
-        model = create_model(cfg, num_classes)
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as e:
-            raise CheckpointError(f'{args.checkpoint}: does not fit {cfg.model} with {num_classes} classes '
-                                  f'({str(e).splitlines()[0][:200]}...)') from None
-        if args.reparam:
-            model = reparameterize_model(model.eval())
+        if not deployed:
+            model = create_model(cfg, num_classes)
+            try:
+                model.load_state_dict(state)
+            except RuntimeError as e:
+                raise CheckpointError(f'{args.checkpoint}: does not fit {cfg.model} with {num_classes} classes '
+                                      f'({str(e).splitlines()[0][:200]}...)') from None
+            if args.reparam:
+                model = reparameterize_model(model.eval())
         model.to(device).eval()
         size = tuple(meta['input_size']) if meta.get('input_size') else model_input_size(model, cfg)
         results = []
@@ -158,9 +217,11 @@ def run(args) -> int:
     with torch.no_grad():
         macs = count_macs(model, input_size=size)
     params = count_params(model)
-    print(f'model    {cfg.model}{" (reparameterized)" if args.reparam else ""}{" EMA" if args.ema else ""}: '
+    form = ' (deployed file)' if deployed else ' (reparameterized)' if args.reparam else ''
+    print(f'model    {cfg.model}{form}{" EMA" if args.ema else ""}: '
           f'{params / 1e6:.3f} M params, {macs.gmacs:.3f} GMACs at {"x".join(map(str, size))}')
-    out = {'model': cfg.model, 'checkpoint': str(args.checkpoint), 'reparam': args.reparam, 'params': params,
+    out = {'model': cfg.model, 'checkpoint': str(args.checkpoint), 'reparam': args.reparam or deployed,
+           'deployed_file': deployed, 'params': params,
            'gmacs': macs.gmacs, 'input_size': list(size), 'results': {}}
     for rs, dataset, res in results:
         label = rs.name if rs else dataset.source

@@ -1,4 +1,4 @@
-"""`vitblocks export MODEL --format pt2|onnx --out PATH`: export a (deployed) model."""
+"""`vitblocks export MODEL --format pt2|onnx|safetensors --out PATH`: export a (deployed) model."""
 import sys
 import time
 from pathlib import Path
@@ -7,7 +7,8 @@ import torch
 
 from ..deploy import reparameterize
 from ..deploy.export import FORMATS, ExportDependencyError, check_export, export_onnx, export_pt2, export_torchscript
-from ..deploy.io import DeployedCheckpointError, load_deployed
+from ..deploy.io import (DeployedCheckpointError, load_deployed, read_deployed_metadata, recorded_preprocessing,
+                         recorded_sizes, save_deployed)
 from ..profile import count_params, input_size_of
 from .common import (CliError, add_model_size_args, build_model, check_writable_file, load_trained_model,
                      model_size_kwargs, parse_block_cfg, positive_int, resolve)
@@ -21,6 +22,7 @@ examples:
   vitblocks export repa_deit_base_patch16_224 --weights deployed.safetensors --format pt2 --out repa_deit_b.pt2
   vitblocks export ninformer_vit_patch4_28 --checkpoint runs/RUN/best.pth --format onnx --out nin.onnx --reparam
   vitblocks export deit_tiny_patch16_224 --num-classes 10 --img-size 32 --format pt2 --out deit32.pt2
+  vitblocks export repa_deit_tiny_patch16_224 --checkpoint runs/RUN/best.pth --format safetensors --out d.safetensors
 
 --reparam fuses the model first (vitblocks.deploy.reparameterize): what is exported is the inference
 form. --weights loads a deployed checkpoint written by vitblocks.deploy.io.save_deployed into the
@@ -29,25 +31,32 @@ in_chans, so they need not be repeated (files written before it did take --num-c
 --checkpoint loads trained weights into the training form (a vitblocks run checkpoint also brings
 its num_classes, model_kwargs and input size; other checkpoints take --num-classes / --img-size);
 without either the weights are random.
+safetensors writes the deployed weights (vitblocks.deploy.io.save_deployed: implies --reparam) with
+the model name, sizes and block config, and the preprocessing (input size, mean, std) of a run
+checkpoint or --input-size, so `vitblocks eval --checkpoint FILE` evaluates it by the file alone;
+--check loads it back by name (load_deployed) and compares it with the model.
 pt2 is torch.export + torch.export.save (load it with torch.export.load(PATH).module()). ONNX needs
 `pip install onnx onnxscript` (onnxscript for torch's default exporter, which writes PATH.data beside
 the file when the weights exceed 2 GB; --onnx-exporter legacy uses torch's TorchScript-based one),
 --check of an ONNX file needs onnxruntime. torchscript (torch.jit.trace) is deprecated: use pt2.
 """
 
-SUFFIX = {'pt2': '.pt2', 'onnx': '.onnx'}  # check_export and the loaders tell the formats apart by suffix
+# check_export and the loaders tell the formats apart by suffix
+SUFFIX = {'pt2': '.pt2', 'onnx': '.onnx', 'safetensors': '.safetensors'}
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(NAME, help='export a model (deployed with --reparam) to torch.export (.pt2) or ONNX',
+    p = subparsers.add_parser(NAME, help='export a model (deployed with --reparam) to torch.export (.pt2), ONNX or '
+                                         'deployed safetensors',
                               description='Build a model (random init, or deployed weights with --weights), '
                                           'optionally re-parameterize it, and export it to a torch.export program '
-                                          '(.pt2) or ONNX; --check compares the exported file with PyTorch on a '
-                                          'random batch.',
+                                          '(.pt2), ONNX or a deployed safetensors file; --check compares the '
+                                          'exported file with PyTorch on a random batch.',
                               epilog=EPILOG)
     p.add_argument('model', help='timm or vitblocks model name')
-    p.add_argument('--format', choices=FORMATS, required=True,
-                   help='pt2 (torch.export), onnx, or torchscript (deprecated: torch.jit.trace)')
+    p.add_argument('--format', choices=(*FORMATS, 'safetensors'), required=True,
+                   help='pt2 (torch.export), onnx, safetensors (deployed weights + metadata, for vitblocks eval / '
+                        'load_deployed), or torchscript (deprecated: torch.jit.trace)')
     p.add_argument('--out', required=True, metavar='PATH', help='file to write (directories are created)')
     p.add_argument('--reparam', action='store_true', help='re-parameterize (fuse) the model before exporting')
     p.add_argument('--weights', metavar='PATH', help='a deployed safetensors checkpoint to load (implies --reparam)')
@@ -81,23 +90,48 @@ def deployed_model(name: str, weights: str, block_cfg, size_kwargs):
 
 
 def _model(args):
-    """(model to export, its input size or None for the model's own)."""
+    """(model to export, run checkpoint metadata or {}: its input size, mean, std and config)."""
     name = resolve(args.model)
     block_cfg = parse_block_cfg(args.block_cfg)
     size_kwargs = model_size_kwargs(args)
     if args.weights:
-        return deployed_model(name, args.weights, block_cfg, size_kwargs), None
+        return deployed_model(name, args.weights, block_cfg, size_kwargs), {}
     if args.checkpoint:
         model, meta = load_trained_model(name, Path(args.checkpoint), block_cfg, size_kwargs)
-        size = tuple(meta['input_size']) if meta.get('input_size') else None
     else:
-        model, size = build_model(name, block_cfg, size_kwargs), None
-    return (reparameterize(model) if args.reparam else model.eval()), size
+        model, meta = build_model(name, block_cfg, size_kwargs), {}
+    deploy = args.reparam or args.format == 'safetensors'  # a deployed file holds the fused form only
+    return (reparameterize(model) if deploy else model.eval()), meta
+
+
+def _save_deployed(args, model, meta, size):
+    """``save_deployed`` with the block config and the preprocessing a run trained with, so ``vitblocks eval``
+    and ``load_deployed`` need the file alone."""
+    block_cfg = parse_block_cfg(args.block_cfg) or meta.get('config', {}).get('model_kwargs', {}).get('block_cfg')
+    preprocessing = {k: meta[k] for k in ('mean', 'std') if meta.get(k)}
+    if args.input_size or meta.get('input_size'):  # else the model's own, which eval finds without it
+        preprocessing['input_size'] = list(size)
+    return save_deployed(model, args.out, name=resolve(args.model), block_cfg=block_cfg or None,
+                         preprocessing=preprocessing)
+
+
+def _check_deployed(path: Path, model, size, batch: int) -> float:
+    """Max abs error of the file loaded back by its recorded name and sizes (as ``vitblocks eval`` does)."""
+    try:
+        loaded = load_deployed(None, path)
+    except DeployedCheckpointError as e:
+        raise CliError(f'wrote {path}, but it does not load by the file alone: {e}') from None
+    x = torch.randn(batch, *size)
+    return (loaded(x) - model(x)).abs().max().item()
 
 
 def _check_args(args) -> None:
     if args.weights and args.checkpoint:
         raise CliError('--weights (deployed) and --checkpoint (training form) both give the weights; pick one')
+    if args.format == 'safetensors' and args.weights:
+        raise CliError(f'--weights {args.weights} is a deployed safetensors file already; copy it instead')
+    if args.format == 'safetensors' and args.static_batch:
+        raise CliError('--static-batch applies to traced formats (pt2, onnx); a safetensors file holds weights only')
     suffix = Path(args.out).suffix
     want = SUFFIX.get(args.format)
     if want and suffix != want:
@@ -118,12 +152,14 @@ def run(args) -> int:
     if args.format == 'torchscript':
         print('vitblocks export: warning: --format torchscript is deprecated (torch deprecates TorchScript); use '
               '--format pt2', file=sys.stderr)
-    model, trained_size = _model(args)
-    size = tuple(args.input_size) if args.input_size else trained_size or input_size_of(model)
+    model, meta = _model(args)
+    size = tuple(args.input_size or meta.get('input_size') or input_size_of(model))
     t0 = time.perf_counter()
     try:
         with torch.no_grad():
-            if args.format == 'pt2':
+            if args.format == 'safetensors':
+                path = _save_deployed(args, model, meta, size)
+            elif args.format == 'pt2':
                 path = export_pt2(model, args.out, input_size=size, batch_size=args.batch_size,
                                   dynamic_batch=not args.static_batch)
             elif args.format == 'onnx':
@@ -137,20 +173,32 @@ def run(args) -> int:
     except (AssertionError, RuntimeError, ValueError) as e:  # e.g. an input size the model does not take
         raise CliError(f'export on a {"x".join(map(str, size))} input failed: {type(e).__name__}: '
                        f'{" ".join(str(e).split())[:300]}') from None
-    deployed = 'deployed' if args.reparam or args.weights else 'training form (no --reparam)'
+    deployed = 'deployed' if args.reparam or args.weights or args.format == 'safetensors' else \
+        'training form (no --reparam)'
     weights = f'weights {args.weights or args.checkpoint}' if args.weights or args.checkpoint else 'random init'
     print(f'{args.model}: {count_params(model) / 1e6:.2f} M params, {deployed}, {weights}')
     data = path.with_name(path.name + '.data')  # ONNX external data (weights over 2 GB)
     extra = f' + {data.name} ({data.stat().st_size / 2 ** 20:.1f} MiB)' if args.format == 'onnx' and data.is_file() \
         else ''
-    print(f'wrote {args.format} {path} ({path.stat().st_size / 2 ** 20:.1f} MiB{extra}, input {args.batch_size}x'
-          f'{"x".join(map(str, size))}, {time.perf_counter() - t0:.1f} s)')
+    if args.format == 'safetensors':
+        metadata = read_deployed_metadata(path)
+        recorded = {**recorded_sizes(metadata), **recorded_preprocessing(metadata)}
+        print(f'wrote safetensors {path} ({path.stat().st_size / 2 ** 20:.1f} MiB, records '
+              f'{" ".join(f"{k}={v}" for k, v in recorded.items())})')
+    else:
+        print(f'wrote {args.format} {path} ({path.stat().st_size / 2 ** 20:.1f} MiB{extra}, input {args.batch_size}x'
+              f'{"x".join(map(str, size))}, {time.perf_counter() - t0:.1f} s)')
     if args.check:
         batch = args.batch_size if args.static_batch else args.batch_size + 1
         try:
-            err = check_export(path, model, input_size=size, batch_size=batch)
+            if args.format == 'safetensors':
+                with torch.no_grad():
+                    err = _check_deployed(path, model, size, batch)
+            else:
+                err = check_export(path, model, input_size=size, batch_size=batch)
         except ExportDependencyError as e:
             raise CliError(str(e)) from None
-        runtime = {'onnx': 'onnxruntime', 'pt2': 'torch.export.load'}.get(args.format, 'torch.jit.load')
+        runtime = {'onnx': 'onnxruntime', 'pt2': 'torch.export.load', 'safetensors': 'load_deployed by the file '
+                   'alone'}.get(args.format, 'torch.jit.load')
         print(f'check: max abs error {err:.3g} vs PyTorch ({runtime}, batch {batch})')
     return 0

@@ -3,8 +3,10 @@
 A deployed checkpoint holds the state dict of a model in its inference form (every
 re-parameterizable layer fused) plus a little metadata: the format tag, the model name, the
 sizes it was built with (``num_classes``, ``in_chans`` and, for models that fix it, ``img_size``)
-and, if given, the block config. It loads into a model built *directly* in deploy form, so no
-training-form weights are ever materialized, and by the file alone: name and sizes come from it::
+and, if given, the block config and the preprocessing it was trained with (``input_size``,
+``mean``, ``std``: what ``vitblocks eval`` needs to feed it the images it expects). It loads into a
+model built *directly* in deploy form, so no training-form weights are ever materialized, and by
+the file alone: name and sizes come from it::
 
     from vitblocks.deploy import reparameterize
     from vitblocks.deploy.io import load_deployed, save_deployed
@@ -24,7 +26,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import timm
 import torch
@@ -33,11 +35,13 @@ from safetensors.torch import load_model, save_model
 from timm.layers import to_2tuple
 from torch import nn
 
-__all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'recorded_sizes', 'model_sizes',
-           'write_safetensors', 'DeployedCheckpointError', 'FORMAT', 'SIZE_KEYS']
+__all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'is_deployed_file', 'recorded_sizes',
+           'recorded_preprocessing', 'model_sizes', 'write_safetensors', 'DeployedCheckpointError', 'FORMAT',
+           'SIZE_KEYS', 'PREPROCESSING_KEYS']
 
 FORMAT = 'vitblocks.deployed/1'  # metadata['format'] of every file save_deployed writes
 SIZE_KEYS = ('num_classes', 'img_size', 'in_chans')  # timm kwargs a file records (JSON values in its metadata)
+PREPROCESSING_KEYS = ('input_size', 'mean', 'std')  # optional: [C, H, W] and per-channel normalization (JSON)
 
 PathLike = Union[str, os.PathLike]
 
@@ -58,7 +62,8 @@ def _architecture(model: nn.Module) -> str:
 
 
 def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
-                  block_cfg: Optional[Dict[str, Any]] = None) -> Path:
+                  block_cfg: Optional[Dict[str, Any]] = None,
+                  preprocessing: Optional[Dict[str, Sequence[float]]] = None) -> Path:
     """Write ``model``'s deployed weights to ``path`` (safetensors), atomically.
 
     Args:
@@ -71,6 +76,10 @@ def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
             ``pretrained_cfg['architecture']``).
         block_cfg: the block config the model was built with (e.g. ``{'idle_ratio': 0.5}``),
             recorded so :func:`load_deployed` rebuilds the same structure by default.
+        preprocessing: the input the model was trained on, any of ``input_size`` ([C, H, W]),
+            ``mean`` and ``std`` (C values each), e.g. a run checkpoint's; recorded so
+            ``vitblocks eval`` normalizes and resizes as in training (without it eval uses the
+            model config's, ImageNet statistics for most timm models).
 
     Returns:
         The path written.
@@ -81,7 +90,29 @@ def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
     metadata.update({k: json.dumps(v) for k, v in model_sizes(deployed).items()})
     if block_cfg:
         metadata['block_cfg'] = json.dumps(block_cfg, sort_keys=True)
+    metadata.update({k: json.dumps(v) for k, v in _checked_preprocessing(preprocessing or {}, deployed).items()})
     return write_safetensors(deployed, path, metadata)
+
+
+def _checked_preprocessing(preprocessing: Dict[str, Sequence[float]], model: nn.Module) -> Dict[str, list]:
+    """``preprocessing`` as JSON-ready lists, after checking its keys and lengths against the model."""
+    from ..profile import fixed_image_size, input_size_of  # profile imports deploy users; keep it lazy
+    unknown = sorted(set(preprocessing) - set(PREPROCESSING_KEYS))
+    if unknown:
+        raise ValueError(f'preprocessing keys {unknown} are not recorded; use {list(PREPROCESSING_KEYS)}')
+    out = {k: [int(v) if k == 'input_size' else float(v) for v in preprocessing[k]]
+           for k in PREPROCESSING_KEYS if preprocessing.get(k) is not None}
+    chans = out['input_size'][0] if 'input_size' in out else input_size_of(model)[0]
+    for key, value in out.items():
+        want = 3 if key == 'input_size' else chans
+        if len(value) != want:
+            raise ValueError(f'preprocessing {key}={value}: expected {want} values'
+                             + (' ([C, H, W])' if key == 'input_size' else ' (one per input channel)'))
+    fixed = fixed_image_size(model)
+    if 'input_size' in out and fixed is not None and tuple(out['input_size'][1:]) != fixed:
+        raise ValueError(f'preprocessing input_size={out["input_size"]}: the model takes {fixed[0]}x{fixed[1]} '
+                         f'images only')
+    return out
 
 
 def model_sizes(model: nn.Module) -> Dict[str, Any]:
@@ -101,6 +132,12 @@ def recorded_sizes(metadata: Dict[str, str]) -> Dict[str, Any]:
     """The sizes a deployed file records (``num_classes``, ``img_size``, ``in_chans``), as timm kwargs;
     empty for files written before vitblocks recorded them."""
     return {k: json.loads(metadata[k]) for k in SIZE_KEYS if k in metadata}
+
+
+def recorded_preprocessing(metadata: Dict[str, str]) -> Dict[str, list]:
+    """The preprocessing a deployed file records (any of ``input_size``, ``mean``, ``std``); empty when
+    it was saved without (``save_deployed(..., preprocessing=None)``, files of older vitblocks)."""
+    return {k: json.loads(metadata[k]) for k in PREPROCESSING_KEYS if k in metadata}
 
 
 def write_safetensors(model: nn.Module, path: PathLike, metadata: Dict[str, str]) -> Path:
@@ -137,6 +174,19 @@ def read_deployed_metadata(path: PathLike) -> Dict[str, str]:
             f'{path} is a safetensors file but not a vitblocks deployed checkpoint ({found}; expected {FORMAT!r}). '
             f'For plain weights use safetensors.torch.load_file and model.load_state_dict')
     return metadata
+
+
+def is_deployed_file(path: PathLike) -> bool:
+    """Whether ``path`` is a readable safetensors file tagged as a vitblocks deployed checkpoint (a
+    plain safetensors state dict, another format or a missing file: False)."""
+    path = Path(path)
+    if path.suffix != '.safetensors' or not path.is_file():
+        return False
+    try:
+        read_deployed_metadata(path)
+    except DeployedCheckpointError:
+        return False
+    return True
 
 
 def _build_deployed(name: str, block_cfg: Optional[Dict[str, Any]], **kwargs) -> nn.Module:
