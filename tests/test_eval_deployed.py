@@ -166,6 +166,8 @@ def test_plain_safetensors_weights_are_not_taken_for_a_deployed_file(files, cifa
     assert not is_deployed_file(plain)
     code, out, err, _ = _eval(capsys, tmp_path, '--checkpoint', plain, '--data', cifar_slice)
     assert code == 2 and 'is not a vitblocks run checkpoint; say which model it holds with --model' in err
+    code, out, err, _ = _eval(capsys, tmp_path, '--checkpoint', plain, '--data', cifar_slice, '--model', name, '--ema')
+    assert code == 2 and 'EMA weights are only read from vitblocks training checkpoints' in err  # not ignored
 
 
 def test_save_deployed_checks_the_preprocessing(tmp_path):

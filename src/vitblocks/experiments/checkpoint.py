@@ -124,6 +124,9 @@ def load_model_weights(path: Union[str, Path], ema: bool = False) -> Dict[str, t
     file, a timm-style ``{'state_dict': ...}`` / ``{'model': ...}`` checkpoint or a bare state dict."""
     path = Path(path)
     if path.suffix == '.safetensors':
+        if ema:
+            raise CheckpointError(f'{path}: EMA weights are only read from vitblocks training checkpoints '
+                                  f'(a safetensors file holds one set of weights); drop --ema')
         if not path.is_file():
             raise CheckpointError(f'{path}: no such checkpoint file')
         from safetensors import SafetensorError
