@@ -106,7 +106,7 @@ def plot_breakdown(results: Sequence[LatencyBreakdown], path: Union[str, Path], 
     """Stacked bars, one per model, of the component times (RePa Fig. 3 style); FFN share on top."""
     x = list(range(len(results)))
     bottom = [0.0] * len(results)
-    with png_figure(path, figsize=(1.2 + 1.1 * len(results), 4)) as (fig, ax):
+    with png_figure(path, figsize=(1.2 + 1.1 * len(results), 4)) as (_, ax):
         for k, comp in enumerate(list(COMPONENTS) + ['other']):
             vals = [r.other_ms if comp == 'other' else r.components_ms[comp] for r in results]
             ax.bar(x, vals, bottom=bottom, color=f'C{k}', label=comp)

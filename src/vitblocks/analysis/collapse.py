@@ -201,7 +201,7 @@ def sequential_vs_parallel(model: nn.Module, inputs: torch.Tensor) -> List[Block
 
 def plot_divergence(curves: Dict[str, List[BlockDivergence]], path: Union[str, Path]) -> Path:
     """|X_seq - X_par| / |X_i| per block for several models on one axis; returns the PNG path."""
-    with png_figure(path, figsize=(6.5, 3.6)) as (fig, ax):
+    with png_figure(path, figsize=(6.5, 3.6)) as (_, ax):
         for k, (label, rows) in enumerate(curves.items()):
             ax.plot([r.index for r in rows], [r.relative for r in rows], f'C{k}-o', label=label)
         ax.set(xlabel='block', ylabel='|X_seq - X_par| / |X_in|', yscale='log',

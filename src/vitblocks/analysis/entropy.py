@@ -89,7 +89,7 @@ def block_entropy(model: nn.Module, images: torch.Tensor, name: str = '', bins: 
 
 def plot_entropy(reports: Sequence[EntropyReport], path: Union[str, Path]) -> Path:
     """Per-block mean feature entropy of each model on one axis; returns the PNG path."""
-    with png_figure(path, figsize=(6.5, 3.6)) as (fig, ax):
+    with png_figure(path, figsize=(6.5, 3.6)) as (_, ax):
         for k, r in enumerate(reports):
             ax.plot([b.index for b in r.blocks], [b.mean for b in r.blocks], f'C{k}-o',
                     label=f'{r.model} (mean {r.average:.2f})')

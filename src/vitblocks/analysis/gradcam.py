@@ -83,7 +83,7 @@ def plot_gradcam(images: torch.Tensor, maps: Dict[str, np.ndarray], path: Union[
     b = images.shape[0]
     cols = 1 + len(maps)
     pics = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()  # (B, C, H, W) -> (B, H, W, C)
-    with png_figure(path, dpi=80, nrows=b, ncols=cols, figsize=(1.9 * cols, 1.9 * b), squeeze=False) as (fig, axes):
+    with png_figure(path, dpi=80, nrows=b, ncols=cols, figsize=(1.9 * cols, 1.9 * b), squeeze=False) as (_, axes):
         for i in range(b):
             pic = pics[i, ..., 0] if pics.shape[-1] == 1 else pics[i]
             axes[i, 0].imshow(pic, cmap='gray' if pic.ndim == 2 else None)

@@ -193,9 +193,9 @@ def _blocks(args) -> int:
         return 0
     summaries = bench.summarize(runs, latency=not args.no_latency, latency_batch=args.latency_batch or 32,
                                 repeats=args.repeats or 10, threads=args.threads)
+    budget = f'{_budget_line(args, load_recipe("cifar10_blocks")["epochs"])}; seeds {",".join(map(str, seeds))}'
     _write_table(args, 'CIFAR-10 blocks benchmark: test top-1 % of one small ViT with each paper\'s block',
-                 bench.table(summaries),
-                 f'{_budget_line(args, load_recipe("cifar10_blocks")["epochs"])}; seeds {",".join(map(str, seeds))}', t0,
+                 bench.table(summaries), budget, t0,
                  [f'paper: {bench.PAPER_CLAIMS[s.config]}' for s in summaries if s.config in bench.PAPER_CLAIMS])
     _blocks_outputs(args, runs, summaries)
     return 0
