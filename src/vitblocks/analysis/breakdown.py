@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .components import COMPONENTS, component_modules
+from .figures import png_figure
 
 __all__ = ['LatencyBreakdown', 'latency_breakdown', 'plot_breakdown']
 
@@ -103,22 +104,17 @@ def latency_breakdown(model: nn.Module, images: torch.Tensor, name: str = '', wa
 
 def plot_breakdown(results: Sequence[LatencyBreakdown], path: Union[str, Path], title: str = '') -> Path:
     """Stacked bars, one per model, of the component times (RePa Fig. 3 style); FFN share on top."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(results), 4), constrained_layout=True)
     x = list(range(len(results)))
     bottom = [0.0] * len(results)
-    for k, comp in enumerate(list(COMPONENTS) + ['other']):
-        vals = [r.other_ms if comp == 'other' else r.components_ms[comp] for r in results]
-        ax.bar(x, vals, bottom=bottom, color=f'C{k}', label=comp)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, r in enumerate(results):
-        ax.text(i, bottom[i], f'FFN {100 * r.share("ffn"):.0f}%', ha='center', va='bottom', fontsize=7)
-    ax.set_xticks(x, [r.model for r in results], rotation=30, ha='right', fontsize=7)
-    ax.set(ylabel=f'ms per batch of {results[0].batch_size} ({results[0].device})', title=title or 'latency breakdown')
-    ax.legend(fontsize=7)
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    with png_figure(path, figsize=(1.2 + 1.1 * len(results), 4)) as (_, ax):
+        for k, comp in enumerate(list(COMPONENTS) + ['other']):
+            vals = [r.other_ms if comp == 'other' else r.components_ms[comp] for r in results]
+            ax.bar(x, vals, bottom=bottom, color=f'C{k}', label=comp)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, r in enumerate(results):
+            ax.text(i, bottom[i], f'FFN {100 * r.share("ffn"):.0f}%', ha='center', va='bottom', fontsize=7)
+        ax.set_xticks(x, [r.model for r in results], rotation=30, ha='right', fontsize=7)
+        ax.set(ylabel=f'ms per batch of {results[0].batch_size} ({results[0].device})',
+               title=title or 'latency breakdown')
+        ax.legend(fontsize=7)
+    return Path(path)

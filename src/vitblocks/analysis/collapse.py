@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .components import eval_forward_with_hooks
+from .figures import png_figure
 
 __all__ = ['BlockNorms', 'CollapseReport', 'residual_growth', 'plot_residual_growth', 'BlockDivergence',
            'sequential_vs_parallel', 'plot_divergence']
@@ -128,31 +129,22 @@ def residual_growth(model: nn.Module, inputs: torch.Tensor, name: str = '') -> C
 
 def plot_residual_growth(report: CollapseReport, path: Union[str, Path], title: Optional[str] = None) -> Path:
     """Plot norms (log scale) and branch/stream ratios per block to a PNG at ``path``; returns the path."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')  # files only, no display needed
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError('plotting needs matplotlib: pip install matplotlib') from e
     idx = [b.index for b in report.blocks]
-    fig, (ax_norm, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
-    ax_norm.plot(idx, [b.stream_in for b in report.blocks], 'k-o', label='residual stream |X_in|')
-    ax_norm.plot(idx, [b.attn for b in report.blocks], 'C0-s', label='attention branch')
-    ax_norm.plot(idx, [b.mlp for b in report.blocks], 'C1-^', label='MLP branch')
-    ax_norm.set(yscale='log', xlabel='block', ylabel='mean per-token L2 norm', title='norms')
-    ax_ratio.plot(idx, [b.attn_ratio for b in report.blocks], 'C0-s', label='|attn| / |X_in|')
-    ax_ratio.plot(idx, [b.mlp_ratio for b in report.blocks], 'C1-^', label='|mlp| / |X_in + attn|')
-    ax_ratio.plot(idx, [b.cosine for b in report.blocks], 'k--', label='cos(X_in, X_out)')
-    ax_ratio.set(xlabel='block', ylabel='ratio', title='branch update relative to the stream')
-    for ax in (ax_norm, ax_ratio):
-        ax.legend(fontsize=8)
-        ax.grid(alpha=.3)
-    b, c, h, w = report.input_shape
-    fig.suptitle(title or f'{report.model}: residual growth ({b} inputs, {c}x{h}x{w})')
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    with png_figure(path, dpi=120, ncols=2, figsize=(11, 4)) as (fig, (ax_norm, ax_ratio)):
+        ax_norm.plot(idx, [b.stream_in for b in report.blocks], 'k-o', label='residual stream |X_in|')
+        ax_norm.plot(idx, [b.attn for b in report.blocks], 'C0-s', label='attention branch')
+        ax_norm.plot(idx, [b.mlp for b in report.blocks], 'C1-^', label='MLP branch')
+        ax_norm.set(yscale='log', xlabel='block', ylabel='mean per-token L2 norm', title='norms')
+        ax_ratio.plot(idx, [b.attn_ratio for b in report.blocks], 'C0-s', label='|attn| / |X_in|')
+        ax_ratio.plot(idx, [b.mlp_ratio for b in report.blocks], 'C1-^', label='|mlp| / |X_in + attn|')
+        ax_ratio.plot(idx, [b.cosine for b in report.blocks], 'k--', label='cos(X_in, X_out)')
+        ax_ratio.set(xlabel='block', ylabel='ratio', title='branch update relative to the stream')
+        for ax in (ax_norm, ax_ratio):
+            ax.legend(fontsize=8)
+            ax.grid(alpha=.3)
+        b, c, h, w = report.input_shape
+        fig.suptitle(title or f'{report.model}: residual growth ({b} inputs, {c}x{h}x{w})')
+    return Path(path)
 
 
 @dataclass(frozen=True)
@@ -209,17 +201,11 @@ def sequential_vs_parallel(model: nn.Module, inputs: torch.Tensor) -> List[Block
 
 def plot_divergence(curves: Dict[str, List[BlockDivergence]], path: Union[str, Path]) -> Path:
     """|X_seq - X_par| / |X_i| per block for several models on one axis; returns the PNG path."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
-    for k, (label, rows) in enumerate(curves.items()):
-        ax.plot([r.index for r in rows], [r.relative for r in rows], f'C{k}-o', label=label)
-    ax.set(xlabel='block', ylabel='|X_seq - X_par| / |X_in|', yscale='log',
-           title='sequential vs parallel composition of the same weights')
-    ax.grid(alpha=.3)
-    ax.legend(fontsize=8)
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    with png_figure(path, figsize=(6.5, 3.6)) as (_, ax):
+        for k, (label, rows) in enumerate(curves.items()):
+            ax.plot([r.index for r in rows], [r.relative for r in rows], f'C{k}-o', label=label)
+        ax.set(xlabel='block', ylabel='|X_seq - X_par| / |X_in|', yscale='log',
+               title='sequential vs parallel composition of the same weights')
+        ax.grid(alpha=.3)
+        ax.legend(fontsize=8)
+    return Path(path)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .components import eval_forward_with_hooks, find_blocks
+from .figures import png_figure
 
 __all__ = ['feature_entropy', 'BlockEntropy', 'EntropyReport', 'block_entropy', 'plot_entropy']
 
@@ -88,18 +89,12 @@ def block_entropy(model: nn.Module, images: torch.Tensor, name: str = '', bins: 
 
 def plot_entropy(reports: Sequence[EntropyReport], path: Union[str, Path]) -> Path:
     """Per-block mean feature entropy of each model on one axis; returns the PNG path."""
-    import matplotlib
-    matplotlib.use('Agg')  # files only
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
-    for k, r in enumerate(reports):
-        ax.plot([b.index for b in r.blocks], [b.mean for b in r.blocks], f'C{k}-o',
-                label=f'{r.model} (mean {r.average:.2f})')
-    ax.axhline(reports[0].max_entropy, color='k', ls=':', lw=1, label=f'max log2({reports[0].bins})')
-    ax.set(xlabel='block', ylabel='feature entropy (bits)', title='per-channel feature entropy of block outputs')
-    ax.grid(alpha=.3)
-    ax.legend(fontsize=8)
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    with png_figure(path, figsize=(6.5, 3.6)) as (_, ax):
+        for k, r in enumerate(reports):
+            ax.plot([b.index for b in r.blocks], [b.mean for b in r.blocks], f'C{k}-o',
+                    label=f'{r.model} (mean {r.average:.2f})')
+        ax.axhline(reports[0].max_entropy, color='k', ls=':', lw=1, label=f'max log2({reports[0].bins})')
+        ax.set(xlabel='block', ylabel='feature entropy (bits)', title='per-channel feature entropy of block outputs')
+        ax.grid(alpha=.3)
+        ax.legend(fontsize=8)
+    return Path(path)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .components import find_blocks
+from .figures import png_figure
 
 __all__ = ['gradcam_target', 'gradcam_maps', 'plot_gradcam']
 
@@ -79,25 +80,19 @@ def plot_gradcam(images: torch.Tensor, maps: Dict[str, np.ndarray], path: Union[
                  titles: Optional[Sequence[str]] = None) -> Path:
     """One row per image: the image, then each model's map over it. ``images``: ``(B, C, H, W)`` in
     [0, 1] (un-normalized); ``maps``: model label -> ``(B, H, W)``."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
     b = images.shape[0]
     cols = 1 + len(maps)
-    fig, axes = plt.subplots(b, cols, figsize=(1.9 * cols, 1.9 * b), squeeze=False, constrained_layout=True)
     pics = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()  # (B, C, H, W) -> (B, H, W, C)
-    for i in range(b):
-        pic = pics[i, ..., 0] if pics.shape[-1] == 1 else pics[i]
-        axes[i, 0].imshow(pic, cmap='gray' if pic.ndim == 2 else None)
-        axes[i, 0].set_title(titles[i] if titles else 'image', fontsize=7)
-        for j, (label, m) in enumerate(maps.items(), start=1):
-            axes[i, j].imshow(pic, cmap='gray' if pic.ndim == 2 else None)
-            axes[i, j].imshow(m[i], cmap='jet', alpha=0.5, vmin=0, vmax=1)
-            if i == 0:
-                axes[i, j].set_title(label, fontsize=7)
-    for ax in axes.flat:
-        ax.axis('off')
-    path = Path(path)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    with png_figure(path, dpi=80, nrows=b, ncols=cols, figsize=(1.9 * cols, 1.9 * b), squeeze=False) as (_, axes):
+        for i in range(b):
+            pic = pics[i, ..., 0] if pics.shape[-1] == 1 else pics[i]
+            axes[i, 0].imshow(pic, cmap='gray' if pic.ndim == 2 else None)
+            axes[i, 0].set_title(titles[i] if titles else 'image', fontsize=7)
+            for j, (label, m) in enumerate(maps.items(), start=1):
+                axes[i, j].imshow(pic, cmap='gray' if pic.ndim == 2 else None)
+                axes[i, j].imshow(m[i], cmap='jet', alpha=0.5, vmin=0, vmax=1)
+                if i == 0:
+                    axes[i, j].set_title(label, fontsize=7)
+        for ax in axes.flat:
+            ax.axis('off')
+    return Path(path)

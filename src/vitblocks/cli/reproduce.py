@@ -115,7 +115,16 @@ def _budget_line(args, recipe_epochs: int):
     return ', '.join(budget)
 
 
-def _write(args, text: str) -> None:
+def _write_table(args, title: str, table, budget: str, t0: float, notes_after=()) -> None:
+    """Print the report of a target and save it as --output/table.txt (table.md with --md): the title, the
+    table (``table``: headers, rows, alignment, notes), the budget line (``budget``: what the target adds to
+    ``_budget_line``, then the wall time since ``t0``), the table's notes, then ``notes_after``."""
+    headers, rows, align, notes = table
+    lines = [f'### {title}' if args.md else title, '']
+    lines += render_table(headers, rows, align, fmt='md' if args.md else 'text')
+    lines += ['', f'budget: {budget}; wall time {time.perf_counter() - t0:.0f} s; runs in {args.output}']
+    lines += [f'note: {n}' for n in notes] + list(notes_after)
+    text = '\n'.join(lines)
     print(text)
     Path(args.output).mkdir(parents=True, exist_ok=True)
     (Path(args.output) / ('table.md' if args.md else 'table.txt')).write_text(text + '\n')
@@ -145,16 +154,10 @@ def _ninformer(args) -> int:
                             extra=parse_overrides(args.overrides))
     if args.train_only:
         return 0
-    headers, rows, align, notes = table_rows(runs)
-    title = 'NiNformer Table 1: test top-1 % (ours: un-augmented test split)'
-    lines = [f'### {title}' if args.md else title, '']
-    lines += render_table(headers, rows, align, fmt='md' if args.md else 'text')
-    lines += ['', f'budget: {_budget_line(args, 100)}; dropout {dropout}; wall time {time.perf_counter() - t0:.0f} s; '
-                  f'runs in {args.output}']
-    lines += [f'note: {n}' for n in notes]
-    if 'cifar100' not in datasets:
-        lines.append('note: CIFAR-100 (paper: 53.78 for NiNformer) is not run: it is not available here')
-    _write(args, '\n'.join(lines))
+    missing = [] if 'cifar100' in datasets else [
+        'note: CIFAR-100 (paper: 53.78 for NiNformer) is not run: it is not available here']
+    _write_table(args, 'NiNformer Table 1: test top-1 % (ours: un-augmented test split)', table_rows(runs),
+                 f'{_budget_line(args, 100)}; dropout {dropout}', t0, missing)
     return 0
 
 
@@ -190,15 +193,10 @@ def _blocks(args) -> int:
         return 0
     summaries = bench.summarize(runs, latency=not args.no_latency, latency_batch=args.latency_batch or 32,
                                 repeats=args.repeats or 10, threads=args.threads)
-    headers, rows, align, notes = bench.table(summaries)
-    title = 'CIFAR-10 blocks benchmark: test top-1 % of one small ViT with each paper\'s block'
-    lines = [f'### {title}' if args.md else title, '']
-    lines += render_table(headers, rows, align, fmt='md' if args.md else 'text')
-    lines += ['', f'budget: {_budget_line(args, load_recipe("cifar10_blocks")["epochs"])}; '
-                  f'seeds {",".join(map(str, seeds))}; wall time {time.perf_counter() - t0:.0f} s; runs in {args.output}']
-    lines += [f'note: {n}' for n in notes]
-    lines += [f'paper: {bench.PAPER_CLAIMS[s.config]}' for s in summaries if s.config in bench.PAPER_CLAIMS]
-    _write(args, '\n'.join(lines))
+    budget = f'{_budget_line(args, load_recipe("cifar10_blocks")["epochs"])}; seeds {",".join(map(str, seeds))}'
+    _write_table(args, 'CIFAR-10 blocks benchmark: test top-1 % of one small ViT with each paper\'s block',
+                 bench.table(summaries), budget, t0,
+                 [f'paper: {bench.PAPER_CLAIMS[s.config]}' for s in summaries if s.config in bench.PAPER_CLAIMS])
     _blocks_outputs(args, runs, summaries)
     return 0
 

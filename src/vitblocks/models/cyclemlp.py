@@ -27,15 +27,16 @@ B1 would be 1.81 G, so the published 2.1 G counts them too.
 
 ``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (input ``(B, H, W, C)``, like GC ViT and LVT).
 """
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, DropPath, Mlp, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
+from timm.models import generate_default_cfgs, register_model
 from torch import nn
+
+from .staged import StagedBackbone, create_staged
 
 __all__ = ['CycleMLPNet', 'CycleFC', 'CycleMixer', 'split_attention', 'StagedMlpNet']
 
@@ -155,12 +156,10 @@ class CycleStage(nn.Module):
         return self.blocks(x)
 
 
-class StagedMlpNet(nn.Module):
-    """The timm interface CycleMLP and Hire-MLP share: ``stem`` (giving (B, C, H, W)) -> ``stages`` ->
-    ``norm`` -> ``head`` (a timm ``ClassifierHead``). A subclass builds those, ``feature_info`` and
-    ``_init_weights``, and sets ``channels_last``: the layout its stages run in."""
-
-    channels_last: bool
+class StagedMlpNet(StagedBackbone):
+    """The timm interface CycleMLP and Hire-MLP share on top of :class:`StagedBackbone`: ``stem`` (giving
+    (B, C, H, W)) -> ``stages`` -> ``norm`` -> ``head`` (a timm ``ClassifierHead``). A subclass builds those,
+    ``feature_info`` and ``_init_weights``, and sets ``channels_last``: the layout its stages run in."""
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
@@ -179,54 +178,8 @@ class StagedMlpNet(nn.Module):
         x = self.stem(x)
         return x.permute(0, 2, 3, 1) if self.channels_last else x  # (B, C, H, W) -> (B, H, W, C)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) -> the normalized final map, (B, H/32, W/32, C) or (B, C, H/32, W/32)."""
-        return self.norm(self.stages(self._embed(x)))
-
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         return self.head(x, pre_logits=pre_logits)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
-                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
-                              intermediates_only: bool = False):
-        """timm's feature API: stage outputs as (B, C, H, W) maps (``norm``: the final norm on the last one)."""
-        if output_fmt != 'NCHW':
-            raise ValueError(f'{type(self).__name__} intermediates are NCHW maps, got output_fmt={output_fmt!r}')
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        intermediates = []
-        x = self._embed(x)
-        last = len(self.stages) - 1
-        stages = self.stages[:max_index + 1] if stop_early else self.stages
-        for s, stage in enumerate(stages):
-            x = stage(x)
-            if s in take:
-                out = self.norm(x) if norm and s == last else x
-                intermediates.append(out.permute(0, 3, 1, 2) if self.channels_last else out)  # NHWC -> NCHW
-        if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
-
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        self.stages = self.stages[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return take
-
-
-def create_staged(model_cls, name: str, pretrained: bool, **kwargs) -> nn.Module:
-    """timm builder for a registered :class:`StagedMlpNet` (features_only: the four stages, timm's getter)."""
-    if pretrained:
-        raise RuntimeError(f'{name}: vitblocks ships no weights (nothing is downloaded); pass checkpoint_path= '
-                           f'to timm.create_model to load a checkpoint')
-    return build_model_with_cfg(model_cls, name, pretrained,
-                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'), **kwargs)
 
 
 class CycleMLPNet(StagedMlpNet):

@@ -40,15 +40,16 @@ authors' dropout after the stem is not kept; inputs whose stage grid is not a mu
 accepted (the propagated map is cropped to the grid; the authors' reshape would fail).
 """
 from functools import partial
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import ClassifierHead, DropPath, LayerNorm2d, Mlp, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
+from timm.models import generate_default_cfgs, register_model
 from torch import nn
+
+from .staged import StagedBackbone, create_staged
 
 __all__ = ['EdgeViT', 'LocalAggregation', 'SparseGlobalAttention', 'SparseGlobalBlock', 'LGLBlock']
 
@@ -164,7 +165,7 @@ class EdgeViTStage(nn.Module):
         return self.blocks(self.norm(self.downsample(x)))
 
 
-class EdgeViT(nn.Module):
+class EdgeViT(StagedBackbone):
     """EdgeViT (see the module docstring); timm model interface.
 
     Args:
@@ -185,7 +186,7 @@ class EdgeViT(nn.Module):
         bad = [d for d in embed_dims if d % head_dim]
         if bad:
             raise ValueError(f'head_dim={head_dim} must divide every width; it does not divide {bad}')
-        self.num_classes, self.global_pool = num_classes, global_pool
+        self.num_classes, self.global_pool, self.channels_last = num_classes, global_pool, False
         self.num_features = self.head_hidden_size = embed_dims[-1]
         n_blocks = sum(depths)
         dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # linear, as the authors'
@@ -224,44 +225,9 @@ class EdgeViT(nn.Module):
         if isinstance(self.head.fc, nn.Linear):
             self._init_weights(self.head.fc)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) -> the normalized final map (B, C, H/32, W/32)."""
-        return self.norm(self.stages(x))
-
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """The final BatchNorm'd map (B, C, H/32, W/32) -> pooled features or logits."""
         return self.head(x, pre_logits=pre_logits)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
-                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
-                              intermediates_only: bool = False):
-        """timm's feature API: stage outputs as (B, C, H, W) maps; ``norm`` applies the final
-        BatchNorm to the last stage's map when it is taken."""
-        if output_fmt != 'NCHW':
-            raise ValueError(f'EdgeViT intermediates are NCHW maps, got output_fmt={output_fmt!r}')
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        last = len(self.stages) - 1
-        intermediates = []
-        stages = self.stages[:max_index + 1] if stop_early else self.stages
-        for s, stage in enumerate(stages):
-            x = stage(x)
-            if s in take:
-                intermediates.append(self.norm(x) if norm and s == last else x)
-        if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
-
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        self.stages = self.stages[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return take
 
 
 default_cfgs = generate_default_cfgs({  # read by timm's register_model
@@ -274,8 +240,4 @@ default_cfgs = generate_default_cfgs({  # read by timm's register_model
 @register_model
 def edgevit_xxs(pretrained: bool = False, **kwargs) -> EdgeViT:
     """EdgeViT-XXS (4.07 M params, 0.55 GMACs; the EdgeViT paper's 4.1 M / 0.6 G): AFBO Table 16's backbone."""
-    if pretrained:
-        raise RuntimeError('edgevit_xxs: vitblocks ships no weights (nothing is downloaded); pass checkpoint_path= '
-                           'to timm.create_model to load a checkpoint')
-    return build_model_with_cfg(EdgeViT, 'edgevit_xxs', pretrained,
-                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'), **kwargs)
+    return create_staged(EdgeViT, 'edgevit_xxs', pretrained, **kwargs)

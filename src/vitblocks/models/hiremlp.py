@@ -44,7 +44,8 @@ from timm.layers import ClassifierHead, ConvNormAct, DropPath, Mlp, trunc_normal
 from timm.models import generate_default_cfgs, register_model, register_notrace_module
 from torch import nn
 
-from .cyclemlp import StagedMlpNet, create_staged, split_attention
+from .cyclemlp import StagedMlpNet, split_attention
+from .staged import create_staged
 
 __all__ = ['HireMLPNet', 'HireMixer', 'RegionRearrangedMLP']
 

@@ -29,16 +29,17 @@ depthwise conv of LVT's own MLP goes with it.
 | ``lvt`` (recursions=2) | 5.52 M | 0.92; 0.84 counted as the papers (see ``papers/iffn.yaml``) |
 """
 import math
-from typing import List, Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
+from timm.models import generate_default_cfgs, register_model
 from timm.models.volo import ClassBlock
 from torch import nn
+
+from .staged import ChannelsLastStage, StagedBackbone, create_staged
 
 __all__ = ['LVT', 'ConvSelfAttention', 'RecursiveAtrousSelfAttention', 'LVTMlp']
 
@@ -183,26 +184,7 @@ class LVTBlock(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-class LVTStage(nn.Module):
-    """Overlapping patch embedding (conv + LayerNorm) and the stage's blocks. The first stage takes
-    the image ``(B, 3, H, W)``, the others the previous stage's ``(B, H, W, C)`` map."""
-
-    def __init__(self, in_chs: int, dim: int, patch: int, stride: int, blocks: List[nn.Module],
-                 channels_last_in: bool):
-        super().__init__()
-        self.channels_last_in = channels_last_in
-        self.downsample = nn.Conv2d(in_chs, dim, patch, stride, patch // 2)
-        self.norm = nn.LayerNorm(dim)
-        self.blocks = nn.Sequential(*blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # -> (B, H/s, W/s, C)
-        if self.channels_last_in:
-            x = x.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
-        x = self.norm(self.downsample(x).permute(0, 2, 3, 1))  # (B, C, H, W) -> (B, H, W, C)
-        return self.blocks(x)
-
-
-class LVT(nn.Module):
+class LVT(StagedBackbone):
     """Lite Vision Transformer (see the module docstring); timm model interface.
 
     Args:
@@ -223,7 +205,7 @@ class LVT(nn.Module):
         if global_pool not in (None, pool):
             raise ValueError(f"LVT with class_blocks={class_blocks} pools by {pool!r}, got global_pool={global_pool!r}"
                              f" (class_blocks=0 for average pooling)")
-        self.num_classes, self.global_pool, self.drop_rate = num_classes, pool, drop_rate
+        self.num_classes, self.global_pool, self.drop_rate, self.channels_last = num_classes, pool, drop_rate, True
         self.num_features = self.head_hidden_size = embed_dims[-1]
         n_blocks = sum(depths)
         dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # linear, as the authors'
@@ -240,7 +222,8 @@ class LVT(nn.Module):
                                                         attn_drop=attn_drop_rate, proj_drop=proj_drop_rate)
                 blocks.append(LVTBlock(dim, attn, mlp_ratios[s], depthwise_mlp[s], dpr[sum(depths[:s]) + i],
                                        proj_drop_rate))
-            stages.append(LVTStage(c_in, dim, patch, stride, blocks, channels_last_in=s > 0))
+            # overlapping patch embedding (padding patch // 2) + LayerNorm, then the blocks
+            stages.append(ChannelsLastStage(c_in, dim, blocks, patch, stride, patch // 2, channels_last_in=s > 0))
             self.feature_info.append(dict(num_chs=dim, reduction=reduction, module=f'stages.{s}'))
             c_in = dim
         self.stages = nn.Sequential(*stages)
@@ -289,13 +272,9 @@ class LVT(nn.Module):
             if isinstance(head, nn.Linear) and head.weight.device.type != 'meta':
                 self._init_weights(head)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) -> normalized tokens: (B, 1 + H/32 * W/32, C) with class blocks (class token
-        first), else the final map (B, H/32, W/32, C)."""
-        return self._tokens_from_map(self.stages(x))
-
-    def _tokens_from_map(self, x: torch.Tensor) -> torch.Tensor:
-        """Final (B, H, W, C) map -> normalized output of the class-attention blocks."""
+    def _after_stages(self, x: torch.Tensor) -> torch.Tensor:
+        """Final (B, H, W, C) map -> forward_features' output: normalized tokens (B, 1 + H * W, C) after the
+        class-attention blocks (class token first), or without class blocks the normalized map."""
         if self.cls_token is None:
             return self.norm(x)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x.flatten(1, 2)], dim=1)  # (B, 1 + H*W, C)
@@ -312,36 +291,16 @@ class LVT(nn.Module):
             logits = logits + 0.5 * self.aux_head(x[:, 1:]).amax(dim=1)  # (B, N, classes) -> (B, classes)
         return logits
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+    def _norm_intermediate(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # forward_intermediates(norm=True) takes the maps as they are: LVT's norm follows the class blocks
 
-    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
-                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
-                              intermediates_only: bool = False):
-        """timm's feature API: stage outputs as (B, C, H, W) maps (``norm`` is not applied: LVT's final norm
-        follows the class-attention blocks)."""
-        if output_fmt != 'NCHW':
-            raise ValueError(f'LVT intermediates are NCHW maps, got output_fmt={output_fmt!r}')
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        intermediates = []
-        stages = self.stages[:max_index + 1] if stop_early else self.stages
-        for s, stage in enumerate(stages):
-            x = stage(x)
-            if s in take:
-                intermediates.append(x.permute(0, 3, 1, 2))  # (B, H, W, C) -> (B, C, H, W)
-        if intermediates_only:
-            return intermediates
-        return self._tokens_from_map(x), intermediates
+    def _prune_norm(self) -> None:
+        pass  # the norm goes with the head (the class-attention blocks it follows), in _prune_head
 
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        self.stages = self.stages[:max_index + 1]
-        if prune_head:
-            self.post_blocks, self.norm, self.cls_token = nn.Sequential(), nn.Identity(), None
-            self.use_aux_head = False
-            self.reset_classifier(0)
-        return take
+    def _prune_head(self) -> None:
+        self.post_blocks, self.norm, self.cls_token = nn.Sequential(), nn.Identity(), None
+        self.use_aux_head = False
+        self.reset_classifier(0)
 
 
 default_cfgs = generate_default_cfgs({  # read by timm's register_model
@@ -355,11 +314,7 @@ default_cfgs = generate_default_cfgs({  # read by timm's register_model
 def lvt(pretrained: bool = False, **kwargs) -> LVT:
     """LVT (5.52 M params): the authors' ImageNet model (``lvt_cls``: 2 RASA recursions, 2 class-attention
     blocks, token-labeling head). ``recursions=1..4``: the IFFN paper's LVT-R1..R4."""
-    if pretrained:
-        raise RuntimeError('lvt: vitblocks ships no weights (nothing is downloaded); pass checkpoint_path= '
-                           'to timm.create_model to load a checkpoint')
-    return build_model_with_cfg(LVT, 'lvt', pretrained, feature_cfg=dict(out_indices=(0, 1, 2, 3),
-                                                                          feature_cls='getter'), **kwargs)
+    return create_staged(LVT, 'lvt', pretrained, **kwargs)
 
 
 # --- the papers' LVT variants -------------------------------------------------------------------

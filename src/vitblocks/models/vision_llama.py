@@ -40,16 +40,17 @@ grid's width ``W`` instead of the reduced grid's (stage 1 puts all 49 keys on on
 them by ``1 - 1/r`` (the cell center only for r = 2); we use the reduced grid and the cell centers,
 as the paper describes the keys as summaries of their sub-windows. Parameters and MACs do not change.
 """
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerScale, SwiGLU, trunc_normal_
 from timm.layers.pos_embed_sincos import apply_rot_embed
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, register_notrace_function
-from timm.models._features import feature_take_indices
+from timm.models import generate_default_cfgs, register_model, register_notrace_function
 from torch import nn
+
+from .staged import ChannelsLastStage, StagedBackbone, create_staged
 
 __all__ = ['PyramidVisionLLaMA', 'LocallyGroupedRoPEAttention', 'GlobalSubsampledRoPEAttention', 'rope_2d']
 
@@ -157,25 +158,7 @@ class VisionLLaMABlock(nn.Module):
         return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
 
 
-class PyramidVisionLLaMAStage(nn.Module):
-    """Patch embedding (conv, kernel = stride, + LayerNorm) and the stage's blocks. The first stage takes
-    the image ``(B, 3, H, W)``, the others the previous stage's ``(B, H, W, C)`` map."""
-
-    def __init__(self, in_chs: int, dim: int, patch: int, blocks: List[nn.Module], channels_last_in: bool):
-        super().__init__()
-        self.channels_last_in = channels_last_in
-        self.downsample = nn.Conv2d(in_chs, dim, patch, patch)
-        self.norm = nn.LayerNorm(dim)
-        self.blocks = nn.Sequential(*blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # -> (B, H/p, W/p, C)
-        if self.channels_last_in:
-            x = x.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
-        x = self.norm(self.downsample(x).permute(0, 2, 3, 1))  # (B, C, H, W) -> (B, H, W, C)
-        return self.blocks(x)
-
-
-class PyramidVisionLLaMA(nn.Module):
+class PyramidVisionLLaMA(StagedBackbone):
     """Pyramid VisionLLaMA (see the module docstring); timm model interface.
 
     Args:
@@ -186,6 +169,8 @@ class PyramidVisionLLaMA(nn.Module):
         swiglu_align: the SwiGLU hidden width ``int(8d/3)`` is rounded up to a multiple of this (256, the
             authors' code; 0: no rounding, which gives Twins-SVT's parameter counts, see ``papers/afbo.yaml``).
     """
+
+    intermediates_fmts = ('NCHW', 'NHWC')  # NHWC: the maps as the stages run
 
     def __init__(self, num_classes: int = 1000, in_chans: int = 3, embed_dims: Sequence[int] = (64, 128, 256, 512),
                  depths: Sequence[int] = (2, 2, 10, 4), num_heads: Sequence[int] = (2, 4, 8, 16), window_size: int = 7,
@@ -199,6 +184,7 @@ class PyramidVisionLLaMA(nn.Module):
         if global_pool != 'avg':
             raise ValueError(f"Pyramid VisionLLaMA pools by averaging (global_pool='avg'), got {global_pool!r}")
         self.num_classes, self.global_pool, self.drop_rate = num_classes, global_pool, drop_rate
+        self.channels_last = True
         self.num_features = self.head_hidden_size = embed_dims[-1]
         n_blocks = sum(depths)
         dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # linear, as the authors'
@@ -213,7 +199,8 @@ class PyramidVisionLLaMA(nn.Module):
                         GlobalSubsampledRoPEAttention(dim, heads, sr, qkv_bias, attn_drop_rate, proj_drop_rate))
                 blocks.append(VisionLLaMABlock(dim, attn, init_values, swiglu_align, proj_drop_rate,
                                                dpr[sum(depths[:s]) + i]))
-            stages.append(PyramidVisionLLaMAStage(c_in, dim, patch, blocks, channels_last_in=s > 0))
+            # non-overlapping patch embedding (kernel = stride) + LayerNorm, then the blocks
+            stages.append(ChannelsLastStage(c_in, dim, blocks, patch, patch, channels_last_in=s > 0))
             self.feature_info.append(dict(num_chs=dim, reduction=reduction, module=f'stages.{s}'))
             c_in = dim
         self.stages = nn.Sequential(*stages)
@@ -249,47 +236,13 @@ class PyramidVisionLLaMA(nn.Module):
         if isinstance(self.head, nn.Linear) and ref.device.type != 'meta':
             self._init_weights(self.head)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) -> the normalized final map (B, H/32, W/32, C)."""
-        return self.norm(self.stages(x))
-
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Average the normalized tokens, normalize again with the same LayerNorm (the authors' head), classify."""
         x = self.head_drop(self.norm(x.mean(dim=(1, 2))))  # (B, H, W, C) -> (B, C)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
-                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
-                              intermediates_only: bool = False):
-        """timm's feature API: stage outputs as (B, C, H, W) maps (``NHWC``: as the stages run); ``norm``
-        applies the final LayerNorm to the last stage's map when it is taken."""
-        if output_fmt not in ('NCHW', 'NHWC'):
-            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        last = len(self.stages) - 1
-        intermediates = []
-        stages = self.stages[:max_index + 1] if stop_early else self.stages
-        for s, stage in enumerate(stages):
-            x = stage(x)
-            if s in take:
-                y = self.norm(x) if norm and s == last else x
-                intermediates.append(y if output_fmt == 'NHWC' else y.permute(0, 3, 1, 2))  # -> (B, C, H, W)
-        if intermediates_only:
-            return intermediates
-        return self.norm(x), intermediates
-
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        take, max_index = feature_take_indices(len(self.stages), indices)
-        self.stages = self.stages[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0)
-        return take
+    def _prune_head(self) -> None:
+        self.reset_classifier(0)  # the head keeps its average pool and second LayerNorm (see forward_head)
 
 
 default_cfgs = generate_default_cfgs({  # read by timm's register_model
@@ -300,30 +253,22 @@ default_cfgs = generate_default_cfgs({  # read by timm's register_model
 })
 
 
-def _create(name: str, pretrained: bool, **kwargs) -> PyramidVisionLLaMA:
-    if pretrained:
-        raise RuntimeError(f'{name}: vitblocks ships no weights (nothing is downloaded); pass checkpoint_path= '
-                           f'to timm.create_model to load a checkpoint')
-    return build_model_with_cfg(PyramidVisionLLaMA, name, pretrained,
-                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'), **kwargs)
-
-
 @register_model
 def pyramid_visionllama_s(pretrained: bool = False, **kwargs) -> PyramidVisionLLaMA:
     """Pyramid-VisionLLaMA-S (25.90 M params, 3.31 GMACs; published 22 M, 2.6 G: see ``papers/afbo.yaml``)."""
     args = dict(embed_dims=(64, 128, 256, 512), depths=(2, 2, 10, 4), num_heads=(2, 4, 8, 16))
-    return _create('pyramid_visionllama_s', pretrained, **{**args, **kwargs})
+    return create_staged(PyramidVisionLLaMA, 'pyramid_visionllama_s', pretrained, **{**args, **kwargs})
 
 
 @register_model
 def pyramid_visionllama_b(pretrained: bool = False, **kwargs) -> PyramidVisionLLaMA:
     """Pyramid-VisionLLaMA-B (56.03 M params, 8.56 GMACs; published 56 M, 9.0 G)."""
     args = dict(embed_dims=(96, 192, 384, 768), depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24))
-    return _create('pyramid_visionllama_b', pretrained, **{**args, **kwargs})
+    return create_staged(PyramidVisionLLaMA, 'pyramid_visionllama_b', pretrained, **{**args, **kwargs})
 
 
 @register_model
 def pyramid_visionllama_l(pretrained: bool = False, **kwargs) -> PyramidVisionLLaMA:
     """Pyramid-VisionLLaMA-L (104.72 M params, 16.57 GMACs; published 99 M, 18.0 G: see ``papers/afbo.yaml``)."""
     args = dict(embed_dims=(128, 256, 512, 1024), depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32))
-    return _create('pyramid_visionllama_l', pretrained, **{**args, **kwargs})
+    return create_staged(PyramidVisionLLaMA, 'pyramid_visionllama_l', pretrained, **{**args, **kwargs})

@@ -1,0 +1,125 @@
+"""The timm interface shared by vitblocks' staged (pyramid) backbones: LVT, EdgeViT, Pyramid VisionLLaMA,
+CycleMLP and Hire-MLP.
+
+Each is ``_embed`` (a stem, or nothing where the first stage embeds the image) -> ``stages`` (an
+``nn.Sequential``, one feature map per stage) -> ``_after_stages`` (the final norm) -> ``forward_head``.
+:class:`StagedBackbone` implements ``forward_features``, ``forward`` and timm's feature API
+(``forward_intermediates``, ``prune_intermediate_layers``, which timm's ``features_only=True`` getter
+wrapper calls) once on top of that; a model overrides only the hooks where it differs.
+
+timm has no such base class (each timm model writes these methods itself), so it is written here once.
+"""
+from typing import List, Optional, Tuple, Union
+
+import torch
+from timm.models import build_model_with_cfg
+from timm.models._features import feature_take_indices
+from torch import nn
+
+__all__ = ['StagedBackbone', 'ChannelsLastStage', 'create_staged']
+
+
+class StagedBackbone(nn.Module):
+    """Base of a staged backbone (see the module docstring).
+
+    A subclass builds ``stages``, ``norm``, ``feature_info`` (one entry per stage), its head and
+    ``forward_head``, and sets ``self.channels_last``: whether its stage outputs are ``(B, H, W, C)``
+    maps (else ``(B, C, H, W)``). Hooks it may override: ``_embed``, ``_after_stages``,
+    ``_norm_intermediate``, ``_prune_norm``, ``_prune_head``; ``intermediates_fmts`` lists the
+    ``output_fmt`` values ``forward_intermediates`` accepts ('NHWC' only for a channels-last model).
+    """
+
+    channels_last: bool
+    intermediates_fmts: Tuple[str, ...] = ('NCHW',)
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The image ``(B, 3, H, W)`` -> the first stage's input (default: the image itself)."""
+        return x
+
+    def _after_stages(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's map -> ``forward_features``' output (default: the final norm)."""
+        return self.norm(x)
+
+    def _norm_intermediate(self, x: torch.Tensor) -> torch.Tensor:
+        """What ``forward_intermediates(norm=True)`` applies to the last stage's map (default: the final norm)."""
+        return self.norm(x)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self._after_stages(self.stages(self._embed(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
+                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
+                              intermediates_only: bool = False):
+        """timm's feature API: the outputs of the stages ``indices`` selects, as ``(B, C, H, W)`` maps
+        (``output_fmt='NHWC'``: as a channels-last model's stages run), and ``forward_features``' output
+        unless ``intermediates_only``. ``norm`` applies ``_norm_intermediate`` to the last stage's map
+        when it is taken; ``stop_early`` runs only the stages up to the last one taken."""
+        if output_fmt not in self.intermediates_fmts:
+            raise ValueError(f'{type(self).__name__} intermediates are {" or ".join(self.intermediates_fmts)} maps, '
+                             f'got output_fmt={output_fmt!r}')
+        take, max_index = feature_take_indices(len(self.stages), indices)
+        last = len(self.stages) - 1
+        intermediates = []
+        x = self._embed(x)
+        stages = self.stages[:max_index + 1] if stop_early else self.stages
+        for s, stage in enumerate(stages):
+            x = stage(x)
+            if s in take:
+                y = self._norm_intermediate(x) if norm and s == last else x
+                if self.channels_last and output_fmt == 'NCHW':
+                    y = y.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
+                intermediates.append(y)
+        if intermediates_only:
+            return intermediates
+        return self._after_stages(x), intermediates
+
+    def _prune_norm(self) -> None:
+        self.norm = nn.Identity()
+
+    def _prune_head(self) -> None:
+        """Drop the classifier and its pooling (``forward`` then returns the final map)."""
+        self.reset_classifier(0, '')
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """Keep the stages up to the last one ``indices`` selects (timm's API); returns the selected indices."""
+        take, max_index = feature_take_indices(len(self.stages), indices)
+        self.stages = self.stages[:max_index + 1]
+        if prune_norm:
+            self._prune_norm()
+        if prune_head:
+            self._prune_head()
+        return take
+
+
+class ChannelsLastStage(nn.Module):
+    """A conv patch embedding + LayerNorm, then the stage's blocks on ``(B, H, W, C)`` maps (LVT, Pyramid
+    VisionLLaMA). The first stage takes the image ``(B, 3, H, W)``, the others the previous stage's map
+    (``channels_last_in``)."""
+
+    def __init__(self, in_chs: int, dim: int, blocks: List[nn.Module], kernel_size: int, stride: int,
+                 padding: int = 0, channels_last_in: bool = True):
+        super().__init__()
+        self.channels_last_in = channels_last_in
+        self.downsample = nn.Conv2d(in_chs, dim, kernel_size, stride, padding)
+        self.norm = nn.LayerNorm(dim)
+        self.blocks = nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # -> (B, H/stride, W/stride, C)
+        if self.channels_last_in:
+            x = x.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
+        x = self.norm(self.downsample(x).permute(0, 2, 3, 1))  # (B, C, H, W) -> (B, H, W, C)
+        return self.blocks(x)
+
+
+def create_staged(model_cls, name: str, pretrained: bool, **kwargs) -> nn.Module:
+    """timm builder for a registered staged backbone (``features_only``: the four stages, timm's getter
+    wrapper over ``forward_intermediates``)."""
+    if pretrained:
+        raise RuntimeError(f'{name}: vitblocks ships no weights (nothing is downloaded); pass checkpoint_path= '
+                           f'to timm.create_model to load a checkpoint')
+    return build_model_with_cfg(model_cls, name, pretrained,
+                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'), **kwargs)

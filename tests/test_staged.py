@@ -1,0 +1,73 @@
+"""The timm feature interface the staged backbones share (models/staged.py::StagedBackbone): every
+option of forward_intermediates and prune_intermediate_layers, on small builds of each family."""
+import copy
+
+import pytest
+import timm
+import torch
+
+import vitblocks  # noqa: F401  (registers the backbones)
+from vitblocks.models.staged import StagedBackbone
+
+SMALL = {  # name -> kwargs: every family's code paths, fast
+    'lvt': dict(depths=(1, 1, 1, 1)),
+    'edgevit_xxs': dict(),
+    'pyramid_visionllama_s': dict(depths=(1, 1, 1, 1)),
+    'cyclemlp_b1': dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 48, 64)),
+    'hiremlp_tiny': dict(depths=(1, 2, 1, 1), embed_dims=(16, 32, 48, 64)),
+}
+X = torch.randn(2, 3, 64, 96)  # non-square: stage maps 16x24 ... 2x3
+
+
+def _build(name):
+    torch.manual_seed(0)
+    return timm.create_model(name, num_classes=5, **SMALL[name]).eval()
+
+
+@pytest.mark.parametrize('name', list(SMALL))
+@torch.no_grad()
+def test_forward_intermediates_options(name):
+    model = _build(name)
+    assert isinstance(model, StagedBackbone)
+    final, inter = model.forward_intermediates(X)
+    assert torch.equal(final, model.forward_features(X))
+    channels, reductions = model.feature_info[-1]['num_chs'], [f['reduction'] for f in model.feature_info]
+    assert [t.shape[2:] for t in inter] == [(64 // r, 96 // r) for r in reductions]  # NCHW maps
+    assert inter[-1].shape[1] == channels
+    only = model.forward_intermediates(X, indices=[0, 2], stop_early=True, intermediates_only=True)
+    assert len(only) == 2 and torch.equal(only[0], inter[0]) and torch.equal(only[1], inter[2])
+    assert torch.equal(model.forward_intermediates(X, indices=1, intermediates_only=True)[0], inter[-1])  # last 1
+    normed = model.forward_intermediates(X, norm=True, intermediates_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(normed[:-1], inter[:-1]))  # the norm is on the last map only
+    if name == 'lvt':  # its norm follows the class-attention blocks: the maps are returned as they are
+        assert torch.equal(normed[-1], inter[-1])
+    else:  # forward_features is the final norm of the last map
+        expected = final.permute(0, 3, 1, 2) if model.channels_last else final  # (B, H, W, C) -> (B, C, H, W)
+        assert torch.equal(normed[-1], expected) and not torch.equal(normed[-1], inter[-1])
+    if name == 'pyramid_visionllama_s':
+        nhwc = model.forward_intermediates(X, output_fmt='NHWC', intermediates_only=True)
+        assert all(torch.equal(a.permute(0, 3, 1, 2), b) for a, b in zip(nhwc, inter))  # (B, H, W, C) as run
+    else:
+        with pytest.raises(ValueError, match=f"{type(model).__name__} intermediates are NCHW maps, got output_fmt="):
+            model.forward_intermediates(X, output_fmt='NHWC')
+
+
+@pytest.mark.parametrize('name', list(SMALL))
+@pytest.mark.parametrize('prune_norm', [False, True])
+@torch.no_grad()
+def test_prune_intermediate_layers(name, prune_norm):
+    model = _build(name)
+    inter = model.forward_intermediates(X, intermediates_only=True)
+    pruned = copy.deepcopy(model)
+    assert pruned.prune_intermediate_layers([0, 2], prune_norm=prune_norm) == [0, 2]
+    assert len(pruned.stages) == 3 and pruned.num_classes == 0
+    kept = pruned.forward_intermediates(X, indices=[0, 2], intermediates_only=True)
+    assert torch.equal(kept[0], inter[0]) and torch.equal(kept[1], inter[2])
+    # the norm goes where asked (LVT's always goes with its head, which prune_head=True removes)
+    assert isinstance(pruned.norm, torch.nn.Identity) == (prune_norm or name == 'lvt')
+    if isinstance(pruned.norm, torch.nn.Identity):  # a kept final norm does not fit the third stage's width
+        out = pruned(X)  # no classifier: the third stage's features, pooled or as a map
+        assert out.shape[0] == 2 and model.feature_info[2]['num_chs'] in out.shape
+    kept_head = copy.deepcopy(model)
+    kept_head.prune_intermediate_layers(3, prune_head=False)  # the last 3 stages: nothing is cut
+    assert len(kept_head.stages) == 4 and torch.equal(kept_head(X), model(X))
