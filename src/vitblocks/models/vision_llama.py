@@ -56,8 +56,8 @@ __all__ = ['PyramidVisionLLaMA', 'LocallyGroupedRoPEAttention', 'GlobalSubsample
 
 
 @register_notrace_function  # shapes decide the table: an FX leaf
-def rope_2d(head_dim: int, rows: int, cols: int, step: float = 1., offset: float = 0., device=None,
-            dtype=torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+def rope_2d(head_dim: int, rows: int, cols: int, step: float = 1., offset: float = 0.,
+            device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
     """(sin, cos), each ``(rows * cols, head_dim)``, of the 2-D RoPE on a row-major grid whose point
     ``(i, j)`` sits at ``x = offset + step * j``, ``y = offset + step * i``. Channel pair ``2m, 2m+1``
     rotates by ``x * f_{m//2}`` (m even) or ``y * f_{m//2}`` (m odd), ``f_k = 10000^(-4k / head_dim)``."""
@@ -98,7 +98,7 @@ class LocallyGroupedRoPEAttention(nn.Module):
         Hp, Wp = x.shape[1:3]
         h, w = Hp // ws, Wp // ws
         x = x.reshape(B, h, ws, w, ws, C).transpose(2, 3).reshape(B * h * w, ws * ws, C)  # windows (B', ws*ws, C)
-        q, k, v = self.qkv(x).reshape(B * h * w, ws * ws, 3, nh, C // nh).permute(2, 0, 3, 1, 4)  # 3 x (B', nh, n, d)
+        q, k, v = self.qkv(x).reshape(B * h * w, ws * ws, 3, nh, C // nh).permute(2, 0, 3, 1, 4).unbind(0)  # (B', n, 3, nh, d) -> 3 x (B', nh, n, d)
         rope = rope_2d(C // nh, ws, ws, device=x.device, dtype=q.dtype)
         out = F.scaled_dot_product_attention(_rotate(q, rope), _rotate(k, rope), v,
                                              dropout_p=self.attn_drop if self.training else 0.)
@@ -131,9 +131,9 @@ class GlobalSubsampledRoPEAttention(nn.Module):
         if self.sr is not None:
             x = self.norm(self.sr(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))  # (B, C, H, W) -> (B, H/r, W/r, C)
         h, w = x.shape[1:3]
-        k, v = self.kv(x).reshape(B, h * w, 2, nh, C // nh).permute(2, 0, 3, 1, 4)  # 2 x (B, nh, M, d)
+        k, v = self.kv(x).reshape(B, h * w, 2, nh, C // nh).permute(2, 0, 3, 1, 4).unbind(0)  # (B, M, 2, nh, d) -> 2 x (B, nh, M, d)
         q = _rotate(q, rope_2d(C // nh, H, W, device=x.device, dtype=q.dtype))
-        k = _rotate(k, rope_2d(C // nh, h, w, step=r, offset=(r - 1) / 2, device=x.device, dtype=k.dtype))
+        k = _rotate(k, rope_2d(C // nh, h, w, step=float(r), offset=(r - 1) / 2., device=x.device, dtype=k.dtype))
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, H, W, C)))  # (B, nh, N, d) -> (B, H, W, C)
 
