@@ -61,9 +61,10 @@ def test_pretrained_cfg(name):
         feats = model.forward_features(x)
         pre = model.forward_head(feats, pre_logits=True)
     assert pre.shape == (1, model.head_hidden_size)
-    if cfg['pool_size'] is not None:  # the unpooled grid, channels-first or -last as the family has it
-        grid = feats.shape[1:3] if feats.shape[-1] == model.num_features else feats.shape[2:]
-        assert tuple(grid) == tuple(cfg['pool_size'])
+    if cfg['pool_size'] is not None:  # the unpooled grid, on the axes timm's tests read from `output_fmt`
+        nhwc = getattr(model, 'output_fmt', 'NCHW') == 'NHWC'
+        grid, channels = (feats.shape[1:3], feats.shape[3]) if nhwc else (feats.shape[2:], feats.shape[1])
+        assert (tuple(grid), channels) == (tuple(cfg['pool_size']), model.num_features)
     model.reset_classifier(0)
     with torch.no_grad():
         assert model(x).shape == (1, model.head_hidden_size)

@@ -199,6 +199,7 @@ class CycleMLPNet(StagedMlpNet):
             raise ValueError(f'depths, embed_dims and mlp_ratios need one entry per stage, got '
                              f'{len(depths)}, {len(embed_dims)}, {len(mlp_ratios)}')
         self.num_classes, self.global_pool, self.channels_last = num_classes, global_pool, True
+        self.output_fmt = 'NHWC'  # timm's attribute: forward_features returns (B, H, W, C)
         self.num_features = embed_dims[-1]
         self.stem = nn.Conv2d(in_chans, embed_dims[0], 7, 4, 2)  # overlapping patch embedding, no norm
         n_blocks = sum(depths)

@@ -185,6 +185,7 @@ class PyramidVisionLLaMA(StagedBackbone):
             raise ValueError(f"Pyramid VisionLLaMA pools by averaging (global_pool='avg'), got {global_pool!r}")
         self.num_classes, self.global_pool, self.drop_rate = num_classes, global_pool, drop_rate
         self.channels_last = True
+        self.output_fmt = 'NHWC'  # timm's attribute: forward_features returns (B, H, W, C)
         self.num_features = self.head_hidden_size = embed_dims[-1]
         n_blocks = sum(depths)
         dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # linear, as the authors'
