@@ -142,6 +142,29 @@ def test_timm_interface():
     assert model(x).shape == (2, 512)
 
 
+def test_unpooled_head_is_the_authors_head_per_position():
+    """global_pool='' (timm's unpooled head, through __init__ or reset_classifier): the normalized map is
+    normalized again and classified per position, (B, H, W, C) -> (B, H, W, classes); averaging it over the
+    positions *before* the head is the pooled model."""
+    torch.manual_seed(0)
+    model = timm.create_model('pyramid_visionllama_s', num_classes=5).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        feats = model.forward_features(x)  # (1, 2, 2, 512)
+        pooled = model(x)
+        model.reset_classifier(5, '')
+        per_position = model(x)
+        assert per_position.shape == (1, 2, 2, 5)
+        torch.testing.assert_close(per_position, model.head(model.norm(feats)))
+        model.reset_classifier(0, '')
+        assert model(x).shape == (1, 2, 2, 512)
+        model.reset_classifier(5, 'avg')
+        assert model(x).shape == pooled.shape
+    built = timm.create_model('pyramid_visionllama_s', num_classes=0, global_pool='').eval()
+    with torch.no_grad():
+        assert built(x).shape == (1, 2, 2, 512)
+
+
 def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match='one entry per stage'):
         PyramidVisionLLaMA(depths=(2, 2, 10))

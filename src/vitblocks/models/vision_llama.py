@@ -181,8 +181,9 @@ class PyramidVisionLLaMA(StagedBackbone):
         if not len(embed_dims) == len(depths) == len(num_heads) == len(sr_ratios):
             raise ValueError(f'embed_dims, depths, num_heads and sr_ratios need one entry per stage, got '
                              f'{len(embed_dims)}, {len(depths)}, {len(num_heads)}, {len(sr_ratios)}')
-        if global_pool != 'avg':
-            raise ValueError(f"Pyramid VisionLLaMA pools by averaging (global_pool='avg'), got {global_pool!r}")
+        if global_pool not in ('avg', ''):
+            raise ValueError(f"Pyramid VisionLLaMA pools by averaging (global_pool='avg', or '' for none), "
+                             f"got {global_pool!r}")
         self.num_classes, self.global_pool, self.drop_rate = num_classes, global_pool, drop_rate
         self.channels_last = True
         self.output_fmt = 'NHWC'  # timm's attribute: forward_features returns (B, H, W, C)
@@ -228,9 +229,12 @@ class PyramidVisionLLaMA(StagedBackbone):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        if global_pool not in (None, 'avg'):
-            raise ValueError(f"Pyramid VisionLLaMA pools by averaging; global_pool={global_pool!r} is not supported")
+        if global_pool not in (None, 'avg', ''):
+            raise ValueError(f"Pyramid VisionLLaMA pools by averaging ('avg', or '' for none); "
+                             f"global_pool={global_pool!r} is not supported")
         self.num_classes = num_classes
+        if global_pool is not None:
+            self.global_pool = global_pool
         ref = self.stages[0].downsample.weight
         self.head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype) \
             if num_classes > 0 else nn.Identity()
@@ -238,8 +242,11 @@ class PyramidVisionLLaMA(StagedBackbone):
             self._init_weights(self.head)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Average the normalized tokens, normalize again with the same LayerNorm (the authors' head), classify."""
-        x = self.head_drop(self.norm(x.mean(dim=(1, 2))))  # (B, H, W, C) -> (B, C)
+        """Average the normalized tokens, normalize again with the same LayerNorm (the authors' head), classify;
+        ``global_pool=''``: the same per position, ``(B, H, W, C)`` in and out (timm's unpooled head)."""
+        if self.global_pool == 'avg':
+            x = x.mean(dim=(1, 2))  # (B, H, W, C) -> (B, C)
+        x = self.head_drop(self.norm(x))
         return x if pre_logits else self.head(x)
 
     def _prune_head(self) -> None:
