@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from .. import analysis
+from ..analysis.figures import png_figure
 from ..deploy import reparameterize
 from .common import CliError, positive_int, render_table
 
@@ -69,21 +70,17 @@ def run_lipschitz(args, models, images, device, out) -> int:
 
 
 def _plot_lipschitz(rows_all, path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
-    for k, (name, rows) in enumerate(rows_all.items()):
-        rows = [r for r in rows if r.sdp is not None]
-        i = list(range(len(rows)))
-        ax.plot(i, [r.naive for r in rows], f'C{k}:', label=f'{name} naive')
-        ax.plot(i, [r.sdp for r in rows], f'C{k}-o', label=f'{name} SDP')
-        ax.plot(i, [r.empirical for r in rows], f'C{k}--^', label=f'{name} empirical')
-    ax.set(xlabel='block', ylabel='Lipschitz constant (bound)', yscale='log', title='FFN Lipschitz bounds per block')
-    ax.grid(alpha=.3)
-    ax.legend(fontsize=6)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with png_figure(path, figsize=(6.5, 3.6)) as (_, ax):
+        for k, (name, rows) in enumerate(rows_all.items()):
+            rows = [r for r in rows if r.sdp is not None]
+            i = list(range(len(rows)))
+            ax.plot(i, [r.naive for r in rows], f'C{k}:', label=f'{name} naive')
+            ax.plot(i, [r.sdp for r in rows], f'C{k}-o', label=f'{name} SDP')
+            ax.plot(i, [r.empirical for r in rows], f'C{k}--^', label=f'{name} empirical')
+        ax.set(xlabel='block', ylabel='Lipschitz constant (bound)', yscale='log',
+               title='FFN Lipschitz bounds per block')
+        ax.grid(alpha=.3)
+        ax.legend(fontsize=6)
     return path
 
 

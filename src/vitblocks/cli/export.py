@@ -100,8 +100,13 @@ def _model(args):
         model, meta = load_trained_model(name, Path(args.checkpoint), block_cfg, size_kwargs)
     else:
         model, meta = build_model(name, block_cfg, size_kwargs), {}
-    deploy = args.reparam or args.format == 'safetensors'  # a deployed file holds the fused form only
-    return (reparameterize(model) if deploy else model.eval()), meta
+    return (reparameterize(model) if _exports_deployed(args) else model.eval()), meta
+
+
+def _exports_deployed(args) -> bool:
+    """Whether the exported model is the fused form: --reparam, --weights (deployed already), or a
+    safetensors file (a deployed file holds the fused form only)."""
+    return bool(args.reparam or args.weights or args.format == 'safetensors')
 
 
 def _save_deployed(args, model, meta, size):
@@ -173,8 +178,7 @@ def run(args) -> int:
     except (AssertionError, RuntimeError, ValueError) as e:  # e.g. an input size the model does not take
         raise CliError(f'export on a {"x".join(map(str, size))} input failed: {type(e).__name__}: '
                        f'{" ".join(str(e).split())[:300]}') from None
-    deployed = 'deployed' if args.reparam or args.weights or args.format == 'safetensors' else \
-        'training form (no --reparam)'
+    deployed = 'deployed' if _exports_deployed(args) else 'training form (no --reparam)'
     weights = f'weights {args.weights or args.checkpoint}' if args.weights or args.checkpoint else 'random init'
     print(f'{args.model}: {count_params(model) / 1e6:.2f} M params, {deployed}, {weights}')
     data = path.with_name(path.name + '.data')  # ONNX external data (weights over 2 GB)
