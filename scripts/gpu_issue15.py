@@ -54,6 +54,8 @@ GROUPS = {
     'poolformer_s36': ('poolformer_s36', REPA),
     'mixer_b16': ('mixer_b16_224', REPA),
 }
+# the full sweep (the defaults below): 2 x 2 x 2 settings x 10 groups = 80 runs
+MODES, PRECISIONS, BATCHES = ('eager', 'compile'), ('fp32', 'bf16'), (128, 1)
 
 
 def build_variant(base: str, variant: str, size_kwargs: dict) -> torch.nn.Module:
@@ -157,9 +159,9 @@ def main(argv=None) -> int:
     p.add_argument('--device', default='cuda')
     p.add_argument('--budget', type=float, default=float('inf'), help='start no new run after this many seconds')
     p.add_argument('--groups', default=','.join(GROUPS), help='comma-separated groups (default all)')
-    p.add_argument('--batches', default='128,1')
-    p.add_argument('--precisions', default='fp32,bf16')
-    p.add_argument('--compile', default='eager,compile', help='eager, compile or both (default eager,compile)')
+    p.add_argument('--batches', default=','.join(map(str, BATCHES)))
+    p.add_argument('--precisions', default=','.join(PRECISIONS))
+    p.add_argument('--compile', default=','.join(MODES), help='eager, compile or both (default eager,compile)')
     p.add_argument('--warmup', type=int, default=10, help='untimed batches per model (timm default 10)')
     p.add_argument('--repeats', type=int, default=50, help='timed batches per model (default 50)')
     p.add_argument('--img-size', type=int, help='build every model at this image size (CPU dry runs)')
