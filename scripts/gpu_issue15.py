@@ -175,8 +175,16 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f'unknown {", ".join(unknown)} (groups: {", ".join(GROUPS)}; eager/compile; fp32/bf16)')
     out = Path(args.out)
-    write_json(out / 'env.json', {**environment(torch.device(args.device)), 'img_size': args.img_size or 224,
-                                  'warmup': args.warmup, 'repeats': args.repeats})
+    env = {**environment(torch.device(args.device)), 'img_size': args.img_size or 224, 'warmup': args.warmup,
+           'repeats': args.repeats}
+    if (out / 'env.json').is_file():  # resuming: the runs already there must come from the same setup
+        before = json.loads((out / 'env.json').read_text())
+        changed = [f'{k} {before.get(k)} -> {env.get(k)}'
+                   for k in ('gpu', 'cpu', 'torch', 'img_size', 'warmup', 'repeats') if before.get(k) != env.get(k)]
+        if changed:
+            p.error(f'{out} holds runs measured on another setup ({"; ".join(changed)}): their ratios would be '
+                    f'mixed with this machine\'s in one table; give a fresh --out (or drop .gpu_state/gpu15.tgz)')
+    write_json(out / 'env.json', env)
     t0 = time.monotonic()
     todo = [(s, g) for s in settings(args) for g in args.groups if not (out / s[0] / f'{g}.json').is_file()]
     done = 0

@@ -6,6 +6,7 @@ twice: the second call must reuse the first one's result.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,9 +67,35 @@ def test_verdicts_compare_both_ways():
     assert gpu_table15.verdict(0.97, 0.72) == 'ours faster'
 
 
+def test_committed_h100_table_is_the_scripts_output(capsys):
+    """docs/results/gpu_speed_h100/table.md (quoted in docs/gpu_speed.md and the README) is what the script makes
+    of the committed results: 33 of the 80 runs, the paper's setting complete."""
+    folder = ROOT / 'docs/results/gpu_speed_h100'
+    assert gpu_table15.main([str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert out == (folder / 'table.md').read_text()
+    assert '33 of 80 runs of the full sweep present; not yet run: bf16-eager-b1 (7 of 10 groups), ' in out
+    assert '| deit_base_patch16_224 | RePa deployed | 66.83 | 1916.8 | 1.57x | 1.67x (RePa T2) | close | 1.60x | ' \
+           '1.96x (RePa T1) | does not hold |' in out
+
+
 def test_table_script_usage_error(capsys):
     assert gpu_table15.main(['/no/such/folder']) == 2
     assert 'usage: gpu_table15.py RESULTS_FOLDER' in capsys.readouterr().err
+
+
+def test_resuming_on_another_setup_is_refused(tmp_path, capsys):
+    """A later lease given an H100 lease's results on another GPU (or torch, or budget flags) must not mix the
+    two in one table: a clear error before any run, the results already there untouched."""
+    import gpu_issue15
+    shutil.copytree(ROOT / 'docs/results/gpu_speed_h100', tmp_path / 'gpu15')
+    before = (tmp_path / 'gpu15/env.json').read_text()
+    with pytest.raises(SystemExit) as exit_:
+        gpu_issue15.main(['--out', str(tmp_path / 'gpu15'), '--device', 'cpu', '--budget', '0'])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert 'holds runs measured on another setup (gpu NVIDIA H100 80GB HBM3 -> None; cpu None -> ' in err
+    assert 'give a fresh --out' in err and (tmp_path / 'gpu15/env.json').read_text() == before
 
 
 @pytest.mark.slow
