@@ -58,6 +58,15 @@ GROUPS = {
 MODES, PRECISIONS, BATCHES = ('eager', 'compile'), ('fp32', 'bf16'), (128, 1)
 
 
+def size_kwargs(name: str, img_size) -> dict:
+    """timm kwargs that build ``name`` (a backbone or a vitblocks model on it) for ``img_size`` (None: its default)."""
+    if not img_size or 'poolformer' in name:
+        return {}  # PoolFormer takes any input size
+    if 'swin' in name:  # a dry run's tiny Swin: windows that fit
+        return {'img_size': img_size, 'window_size': max(1, img_size // 32)}
+    return {'img_size': img_size}
+
+
 def build_variant(base: str, variant: str, size_kwargs: dict) -> torch.nn.Module:
     """One model of a group, in eval mode (deployed variants re-parameterized)."""
     if variant == 'vanilla':
@@ -116,12 +125,7 @@ def probe(models: dict, size, device: str, precision: str) -> dict:
 
 def run_group(args, group: str, precision: str, compiled: bool, batch: int) -> list:
     base, variants = GROUPS[group]
-    size_kwargs = {'img_size': args.img_size} if args.img_size else {}
-    if args.img_size and base.startswith('swin'):
-        size_kwargs['window_size'] = max(1, args.img_size // 32)  # a dry run's tiny Swin: windows that fit
-    if args.img_size and base.startswith('poolformer'):
-        size_kwargs = {}  # PoolFormer takes any input size; it is given below
-    models = {v: build_variant(base, v, size_kwargs) for v in ('vanilla',) + variants}
+    models = {v: build_variant(base, v, size_kwargs(base, args.img_size)) for v in ('vanilla',) + variants}
     params = {v: count_params(m) for v, m in models.items()}
     size = (3, args.img_size or 224, args.img_size or 224)
     failed = probe(models, size, args.device, precision)  # a model that cannot run here must not stop its group
