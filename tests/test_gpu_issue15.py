@@ -6,6 +6,7 @@ twice: the second call must reuse the first one's result.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -74,9 +75,77 @@ def test_committed_h100_table_is_the_scripts_output(capsys):
     assert gpu_table15.main([str(folder)]) == 0
     out = capsys.readouterr().out
     assert out == (folder / 'table.md').read_text()
+    assert out in (ROOT / 'docs/gpu_speed.md').read_text()  # its full tables, verbatim
     assert '33 of 80 runs of the full sweep present; not yet run: bf16-eager-b1 (7 of 10 groups), ' in out
     assert '| deit_base_patch16_224 | RePa deployed | 66.83 | 1916.8 | 1.57x | 1.67x (RePa T2) | close | 1.60x | ' \
            '1.96x (RePa T1) | does not hold |' in out
+
+
+def test_readme_h100_table_is_the_committed_results():
+    """Every figure of the README's H100 table (fp32, batch 128) is a committed result, rounded as printed."""
+    readme = (ROOT / 'README.md').read_text()
+    section = readme.split("### One H100 GPU, the papers' setting")[1].split('\n\n')[2]
+    label = {'DeiT-Ti': 'deit_tiny', 'DeiT-S': 'deit_small', 'DeiT-B': 'deit_base', 'ViT-L': 'vit_large',
+             'Swin-T': 'swin_tiny', 'Swin-B': 'swin_base', 'PoolFormer-S12': 'poolformer_s12',
+             'PoolFormer-S24': 'poolformer_s24', 'PoolFormer-S36': 'poolformer_s36', 'Mixer-B16': 'mixer_b16'}
+    vs_vanilla, _ = gpu_table15.paper_claims()
+    rows = [r.split('|')[1:-1] for r in section.splitlines()[2:]]
+    assert [r[0].strip() for r in rows] == list(label)
+    for name, *cells in rows:
+        group = label[name.strip()]
+        base = gpu_table15.GROUPS[group][0]
+        records = json.loads((ROOT / f'docs/results/gpu_speed_h100/fp32-eager-b128/{group}.json').read_text())
+        ours = {r['variant']: r for r in records}
+        expected = [f'{ours["vanilla"]["infer_samples_per_sec"]:.1f}']
+        for variant, claimed in (('repa_deployed', True), ('iffn_deployed', False), ('afbo', True), ('glu4', True)):
+            if variant not in ours:
+                expected += ['', ''] if claimed else ['']
+                continue
+            bold = '**' if variant == 'repa_deployed' else ''
+            expected.append(f'{bold}{ours[variant]["speedup_vs_baseline"]:.2f}x{bold}')
+            if claimed:
+                expected.append(f'{vs_vanilla[base, variant][0]:.2f}x')
+        assert [c.strip() for c in cells] == expected, name
+
+
+def _summary_rows(doc: str, heading: str) -> dict:
+    """{first cell: other cells} of the first markdown table after ``heading`` in ``doc``."""
+    lines = doc.split(heading, 1)[1].split('\n\n')[1].splitlines()[2:]
+    return {r.split('|')[1].strip(): [c.strip() for c in r.split('|')[2:-1]] for r in lines}
+
+
+def test_gpu_speed_summaries_are_the_full_tables():
+    """docs/gpu_speed.md's per-paper summaries repeat the full tables' cells (the script's output), nothing else."""
+    doc = (ROOT / 'docs/gpu_speed.md').read_text()
+    full = {}  # (setting title, backbone, model) -> cells, claims without their source ('1.33x (RePa T2)' -> '1.33x')
+    for section in (ROOT / 'docs/results/gpu_speed_h100/table.md').read_text().split('### ')[1:]:
+        title, *lines = section.splitlines()
+        for r in lines[3:]:
+            cells = [re.sub(r' \((RePa|AFBO) T[^)]*\)$', '', c.strip()) for c in r.split('|')[1:-1]] \
+                if r.startswith('| ') else None
+            if cells:
+                full[title, cells[0], cells[1]] = cells
+    b128 = "fp32, eager, batch 128 (the papers' setting)"
+    base = {'DeiT-Ti': 'deit_tiny_patch16_224', 'DeiT-S': 'deit_small_patch16_224', 'DeiT-B': 'deit_base_patch16_224',
+            'ViT-L': 'vit_large_patch16_224', 'Swin-T': 'swin_tiny_patch4_window7_224',
+            'Swin-B': 'swin_base_patch4_window7_224', 'PoolFormer-S12': 'poolformer_s12',
+            'PoolFormer-S24': 'poolformer_s24', 'PoolFormer-S36': 'poolformer_s36', 'Mixer-B16': 'mixer_b16_224'}
+    repa = _summary_rows(doc, '### RePa (Tables 1 and 2)')
+    assert len(repa) == 9
+    for name, cells in repa.items():
+        dep, train = full[b128, base[name], 'RePa deployed'], full[b128, base[name], 'RePa (training form)']
+        assert cells == dep[4:10] + train[4:6], name
+    afbo = _summary_rows(doc, '### AFBO (Tables 2 and 11)')
+    assert len(afbo) == 3
+    for name, cells in afbo.items():
+        a, g = full[b128, base[name], 'AFBO'], full[b128, base[name], 'GLU (M=4)']
+        assert cells[:8] == a[4:7] + g[4:7] + [full[b128, base[name], 'SwiGLU (M=8/3)'][4], f'{float(a[2]) / float(g[2]):.2f}']
+        paper = float(g[5][:-1]) / float(a[5][:-1])  # (vanilla / GLU) / (vanilla / AFBO) = AFBO / GLU time
+        assert float(cells[8]) == pytest.approx(paper, abs=0.011), name  # from the rounded claims
+    iffn = _summary_rows(doc, '### IFFN (no published speed)')
+    assert len(iffn) == 3
+    for name, cells in iffn.items():
+        assert cells == [v[4] for (_, b, m), v in full.items() if b == base[name] and m == 'IFFN deployed'], name
 
 
 def test_table_script_usage_error(capsys):
