@@ -9,7 +9,7 @@ per forward well above its CUDA time) with slicing on, and fast with it off (bud
     PYTHONPATH=src python scripts/gpu_profile15.py iffn_deit_small_patch16_224   # on the GPU machine, repo root
     PYTHONPATH=src python scripts/gpu_profile15.py afbo_poolformer_s12 --amp bf16
 
-For the layer's default slice budget and then 0 it prints the FFN's kernel count, its CPU and CUDA time
+For the layer's default slice budget and then 0 it prints the FFN's slice and kernel counts, its CPU and CUDA time
 per forward (median of --repeats profiled calls on the FFN's real input, captured by a hook) and
 torch.profiler's table of the ops by device time.
 """
@@ -79,9 +79,10 @@ def main(argv=None) -> int:
             kernels = sum(e.count for e in events if e.device_type.name == 'CUDA')
             convs = sum(e.count for e in events if e.key == 'aten::conv2d')  # depthwise convs: 1 (IFFN), 2 (AFBO)
             slices = convs // (2 if isinstance(ffn, AFBO) else 1)  # per batch slice
+            per_thread = ' per thread' if isinstance(ffn, AFBO) else ''
             print(f'{args.model} first {type(ffn).__name__}, input {tuple(h.shape)}, {args.amp or "fp32"}, slice '
-                  f'budget {budget / 2 ** 20:g} MiB{" per thread" if isinstance(ffn, AFBO) else ""}: {slices} batch slice(s), {kernels} CUDA kernels, CPU '
-                  f'{statistics.median(cpu_ms):.2f} ms, CUDA {statistics.median(dev_ms):.2f} ms per forward '
+                  f'budget {budget / 2 ** 20:g} MiB{per_thread}: {slices} batch slice(s), {kernels} CUDA kernels, '
+                  f'CPU {statistics.median(cpu_ms):.2f} ms, CUDA {statistics.median(dev_ms):.2f} ms per forward '
                   f'(median of {args.repeats})')
             sort = 'self_cuda_time_total' if device.type == 'cuda' else 'self_cpu_time_total'
             print(events.table(sort_by=sort, row_limit=args.rows))

@@ -19,6 +19,12 @@ sys.path.insert(0, str(ROOT / 'scripts'))
 import gpu_table15  # noqa: E402
 
 
+# the docs' backbone names -> the groups of scripts/gpu_issue15.py
+GROUP_OF = {'DeiT-Ti': 'deit_tiny', 'DeiT-S': 'deit_small', 'DeiT-B': 'deit_base', 'ViT-L': 'vit_large',
+            'Swin-T': 'swin_tiny', 'Swin-B': 'swin_base', 'PoolFormer-S12': 'poolformer_s12',
+            'PoolFormer-S24': 'poolformer_s24', 'PoolFormer-S36': 'poolformer_s36', 'Mixer-B16': 'mixer_b16'}
+
+
 def _records(group, base, medians):
     """Records as gpu_issue15.py writes them, from median ms per variant (vanilla first)."""
     van = medians['vanilla']
@@ -85,14 +91,11 @@ def test_readme_h100_table_is_the_committed_results():
     """Every figure of the README's H100 table (fp32, batch 128) is a committed result, rounded as printed."""
     readme = (ROOT / 'README.md').read_text()
     section = readme.split("### One H100 GPU, the papers' setting")[1].split('\n\n')[2]
-    label = {'DeiT-Ti': 'deit_tiny', 'DeiT-S': 'deit_small', 'DeiT-B': 'deit_base', 'ViT-L': 'vit_large',
-             'Swin-T': 'swin_tiny', 'Swin-B': 'swin_base', 'PoolFormer-S12': 'poolformer_s12',
-             'PoolFormer-S24': 'poolformer_s24', 'PoolFormer-S36': 'poolformer_s36', 'Mixer-B16': 'mixer_b16'}
     vs_vanilla, _ = gpu_table15.paper_claims()
     rows = [r.split('|')[1:-1] for r in section.splitlines()[2:]]
-    assert [r[0].strip() for r in rows] == list(label)
+    assert [r[0].strip() for r in rows] == list(GROUP_OF)
     for name, *cells in rows:
-        group = label[name.strip()]
+        group = GROUP_OF[name.strip()]
         base = gpu_table15.GROUPS[group][0]
         records = json.loads((ROOT / f'docs/results/gpu_speed_h100/fp32-eager-b128/{group}.json').read_text())
         ours = {r['variant']: r for r in records}
@@ -126,10 +129,7 @@ def test_gpu_speed_summaries_are_the_full_tables():
             if cells:
                 full[title, cells[0], cells[1]] = cells
     b128 = "fp32, eager, batch 128 (the papers' setting)"
-    base = {'DeiT-Ti': 'deit_tiny_patch16_224', 'DeiT-S': 'deit_small_patch16_224', 'DeiT-B': 'deit_base_patch16_224',
-            'ViT-L': 'vit_large_patch16_224', 'Swin-T': 'swin_tiny_patch4_window7_224',
-            'Swin-B': 'swin_base_patch4_window7_224', 'PoolFormer-S12': 'poolformer_s12',
-            'PoolFormer-S24': 'poolformer_s24', 'PoolFormer-S36': 'poolformer_s36', 'Mixer-B16': 'mixer_b16_224'}
+    base = {name: gpu_table15.GROUPS[group][0] for name, group in GROUP_OF.items()}
     repa = _summary_rows(doc, '### RePa (Tables 1 and 2)')
     assert len(repa) == 9
     for name, cells in repa.items():
@@ -139,7 +139,8 @@ def test_gpu_speed_summaries_are_the_full_tables():
     assert len(afbo) == 3
     for name, cells in afbo.items():
         a, g = full[b128, base[name], 'AFBO'], full[b128, base[name], 'GLU (M=4)']
-        assert cells[:8] == a[4:7] + g[4:7] + [full[b128, base[name], 'SwiGLU (M=8/3)'][4], f'{float(a[2]) / float(g[2]):.2f}']
+        swiglu = full[b128, base[name], 'SwiGLU (M=8/3)']
+        assert cells[:8] == a[4:7] + g[4:7] + [swiglu[4], f'{float(a[2]) / float(g[2]):.2f}'], name  # ms: AFBO / GLU
         paper = float(g[5][:-1]) / float(a[5][:-1])  # (vanilla / GLU) / (vanilla / AFBO) = AFBO / GLU time
         assert float(cells[8]) == pytest.approx(paper, abs=0.011), name  # from the rounded claims
     iffn = _summary_rows(doc, '### IFFN (no published speed)')
