@@ -54,6 +54,17 @@ GROUPS = {
     'poolformer_s36': ('poolformer_s36', REPA),
     'mixer_b16': ('mixer_b16_224', REPA),
 }
+# the full sweep (the defaults below): 2 x 2 x 2 settings x 10 groups = 80 runs
+MODES, PRECISIONS, BATCHES = ('eager', 'compile'), ('fp32', 'bf16'), (128, 1)
+
+
+def size_kwargs(name: str, img_size) -> dict:
+    """timm kwargs that build ``name`` (a backbone or a vitblocks model on it) for ``img_size`` (None: its default)."""
+    if not img_size or 'poolformer' in name:
+        return {}  # PoolFormer takes any input size
+    if 'swin' in name:  # a dry run's tiny Swin: windows that fit
+        return {'img_size': img_size, 'window_size': max(1, img_size // 32)}
+    return {'img_size': img_size}
 
 
 def build_variant(base: str, variant: str, size_kwargs: dict) -> torch.nn.Module:
@@ -114,12 +125,7 @@ def probe(models: dict, size, device: str, precision: str) -> dict:
 
 def run_group(args, group: str, precision: str, compiled: bool, batch: int) -> list:
     base, variants = GROUPS[group]
-    size_kwargs = {'img_size': args.img_size} if args.img_size else {}
-    if args.img_size and base.startswith('swin'):
-        size_kwargs['window_size'] = max(1, args.img_size // 32)  # a dry run's tiny Swin: windows that fit
-    if args.img_size and base.startswith('poolformer'):
-        size_kwargs = {}  # PoolFormer takes any input size; it is given below
-    models = {v: build_variant(base, v, size_kwargs) for v in ('vanilla',) + variants}
+    models = {v: build_variant(base, v, size_kwargs(base, args.img_size)) for v in ('vanilla',) + variants}
     params = {v: count_params(m) for v, m in models.items()}
     size = (3, args.img_size or 224, args.img_size or 224)
     failed = probe(models, size, args.device, precision)  # a model that cannot run here must not stop its group
@@ -157,9 +163,9 @@ def main(argv=None) -> int:
     p.add_argument('--device', default='cuda')
     p.add_argument('--budget', type=float, default=float('inf'), help='start no new run after this many seconds')
     p.add_argument('--groups', default=','.join(GROUPS), help='comma-separated groups (default all)')
-    p.add_argument('--batches', default='128,1')
-    p.add_argument('--precisions', default='fp32,bf16')
-    p.add_argument('--compile', default='eager,compile', help='eager, compile or both (default eager,compile)')
+    p.add_argument('--batches', default=','.join(map(str, BATCHES)))
+    p.add_argument('--precisions', default=','.join(PRECISIONS))
+    p.add_argument('--compile', default=','.join(MODES), help='eager, compile or both (default eager,compile)')
     p.add_argument('--warmup', type=int, default=10, help='untimed batches per model (timm default 10)')
     p.add_argument('--repeats', type=int, default=50, help='timed batches per model (default 50)')
     p.add_argument('--img-size', type=int, help='build every model at this image size (CPU dry runs)')
@@ -173,8 +179,16 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f'unknown {", ".join(unknown)} (groups: {", ".join(GROUPS)}; eager/compile; fp32/bf16)')
     out = Path(args.out)
-    write_json(out / 'env.json', {**environment(torch.device(args.device)), 'img_size': args.img_size or 224,
-                                  'warmup': args.warmup, 'repeats': args.repeats})
+    env = {**environment(torch.device(args.device)), 'img_size': args.img_size or 224, 'warmup': args.warmup,
+           'repeats': args.repeats}
+    if (out / 'env.json').is_file():  # resuming: the runs already there must come from the same setup
+        before = json.loads((out / 'env.json').read_text())
+        changed = [f'{k} {before.get(k)} -> {env.get(k)}'
+                   for k in ('gpu', 'cpu', 'torch', 'img_size', 'warmup', 'repeats') if before.get(k) != env.get(k)]
+        if changed:
+            p.error(f'{out} holds runs measured on another setup ({"; ".join(changed)}): their ratios would be '
+                    f'mixed with this machine\'s in one table; give a fresh --out (or drop .gpu_state/gpu15.tgz)')
+    write_json(out / 'env.json', env)
     t0 = time.monotonic()
     todo = [(s, g) for s in settings(args) for g in args.groups if not (out / s[0] / f'{g}.json').is_file()]
     done = 0

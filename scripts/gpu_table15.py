@@ -8,18 +8,25 @@ times). The papers' claims come from their tables (vitblocks/papers/*.yaml):
            training form; training form vs vanilla from Table 1's "before" over Table 2's vanilla.
   AFBO     latency ms (its Table 2 for vanilla and AFBO, Table 11 for GLU with M = 4): vanilla / variant.
   IFFN     publishes no speed; SwiGLU (M = 8/3) has no latency on these backbones: no claim.
-"claim" says whether ours reaches the paper's speed-up: holds (>= 95% of it), close (85-95%),
-does not hold (< 85%).
+"claim" compares our ratio with the paper's: holds (95-105% of it), ours faster (> 105%: a claimed
+speed-up holds with room; where the paper reports a slow-down, the RePa training form or GLU, ours loses
+less), close (85-95%), does not hold (< 85%).
+A partial results folder (a sweep cut off by its time budget) gives a table of what is there: the
+header says how many of the sweep's runs are present and which settings are missing.
 """
 import json
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from vitblocks.papers import load_paper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_issue15 import GROUPS  # noqa: E402  (the groups the runs measured)
+from gpu_issue15 import BATCHES, GROUPS, MODES, PRECISIONS, settings  # noqa: E402  (what the runs measured)
+
+# the setting names of the full sweep, in the order scripts/gpu_issue15.py runs them
+FULL_SWEEP = [s[0] for s in settings(SimpleNamespace(compile=MODES, precisions=PRECISIONS, batches=BATCHES))]
 
 # AFBO Table 11's GLU (M = 4) latencies: afbo.yaml keeps latencies in row notes, and its three GLU rows share
 # one note without them
@@ -58,6 +65,8 @@ def paper_claims() -> dict:
 
 def verdict(ours: float, claim: float) -> str:
     share = ours / claim
+    if share > 1.05:
+        return 'ours faster'
     return 'holds' if share >= 0.95 else 'close' if share >= 0.85 else 'does not hold'
 
 
@@ -65,6 +74,21 @@ def setting_title(name: str) -> str:
     precision, mode, batch = name.split('-')
     title = f'{"fp32" if precision == "fp32" else "bf16 autocast"}, {mode}, batch {batch[1:]}'
     return title + (" (the papers' setting)" if name == 'fp32-eager-b128' else '')
+
+
+def present_settings(folder: Path) -> list:
+    """The setting folders present, in the sweep's order (others, e.g. from a custom --batches, after)."""
+    present = {p.name for p in folder.iterdir() if p.is_dir() and re.fullmatch(r'\w+-\w+-b\d+', p.name)}
+    return [s for s in FULL_SWEEP if s in present] + sorted(present - set(FULL_SWEEP))
+
+
+def coverage(folder: Path) -> str:
+    """How much of the full sweep the folder holds, and what is missing (the command resumes it)."""
+    done = {s: sum((folder / s / f'{g}.json').is_file() for g in GROUPS) for s in FULL_SWEEP}
+    missing = [s if not done[s] else f'{s} ({len(GROUPS) - done[s]} of {len(GROUPS)} groups)'
+               for s in FULL_SWEEP if done[s] < len(GROUPS)]
+    line = f'{sum(done.values())} of {len(FULL_SWEEP) * len(GROUPS)} runs of the full sweep present'
+    return line + (f'; not yet run: {", ".join(missing)}.' if missing else '.')
 
 
 def table(folder: Path, setting: str, claims) -> list:
@@ -116,10 +140,9 @@ def main(argv=None) -> int:
           f'timm {env.get("timm")}. Inference (eval, torch.inference_mode), random weights, 3x{px}x{px}, '
           f'{env.get("warmup")} warm-up + {env.get("repeats")} timed batches per model; speed-up = same-run '
           f'images/s ratio (median step times, {timer}).\n')
+    print(coverage(folder) + '\n')
     claims = paper_claims()
-    settings = sorted((p.name for p in folder.iterdir() if p.is_dir() and re.fullmatch(r'\w+-\w+-b\d+', p.name)),
-                      key=lambda s: (s.split('-')[1] != 'eager', s.split('-')[0] != 'fp32', -int(s.split('-b')[1])))
-    for setting in settings:
+    for setting in present_settings(folder):
         print(f'### {setting_title(setting)}\n')
         print('\n'.join(table(folder, setting, claims)) + '\n')
     return 0

@@ -6,6 +6,8 @@ twice: the second call must reuse the first one's result.
 """
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'scripts'))
 import gpu_table15  # noqa: E402
+
+
+# the docs' backbone names -> the groups of scripts/gpu_issue15.py
+GROUP_OF = {'DeiT-Ti': 'deit_tiny', 'DeiT-S': 'deit_small', 'DeiT-B': 'deit_base', 'ViT-L': 'vit_large',
+            'Swin-T': 'swin_tiny', 'Swin-B': 'swin_base', 'PoolFormer-S12': 'poolformer_s12',
+            'PoolFormer-S24': 'poolformer_s24', 'PoolFormer-S36': 'poolformer_s36', 'Mixer-B16': 'mixer_b16'}
 
 
 def _records(group, base, medians):
@@ -51,11 +59,129 @@ def test_table_puts_ours_beside_the_claims(tmp_path, capsys):
     # ours 100/62 = 1.61x vs the claimed 1.67x (96%: holds); vs training form 110/62 = 1.77x vs 1.96x (90%: close)
     assert deployed[5:11] == ['1.61x', '1.67x (RePa T2)', 'holds', '1.77x', '1.96x (RePa T1)', 'close']
     assert '| deit_tiny_patch16_224 | not yet run |' in out and 'out of memory' in out
+    # a cut-off sweep: the header counts what is there and names what is missing, no empty sections
+    assert ('2 of 80 runs of the full sweep present; not yet run: fp32-eager-b128 (8 of 10 groups), fp32-eager-b1, '
+            'bf16-eager-b128, bf16-eager-b1, fp32-compile-b128, fp32-compile-b1, bf16-compile-b128, bf16-compile-b1.'
+            ) in out
+    assert out.count('### ') == 1
+
+
+def test_verdicts_compare_both_ways():
+    """Within 5% of the paper's ratio holds; above it ours is faster (also where the paper reports a slow-down,
+    e.g. the RePa training form at 0.72x of vanilla against ours 0.97x); below 85% the claim does not hold."""
+    assert [gpu_table15.verdict(ours, 1.67) for ours in (1.60, 1.80, 1.45, 1.40)] == \
+        ['holds', 'ours faster', 'close', 'does not hold']
+    assert gpu_table15.verdict(0.97, 0.72) == 'ours faster'
+
+
+def test_committed_h100_table_is_the_scripts_output(capsys):
+    """docs/results/gpu_speed_h100/table.md (quoted in docs/gpu_speed.md and the README) is what the script makes
+    of the committed results: 33 of the 80 runs, the paper's setting complete."""
+    folder = ROOT / 'docs/results/gpu_speed_h100'
+    assert gpu_table15.main([str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert out == (folder / 'table.md').read_text()
+    assert out in (ROOT / 'docs/gpu_speed.md').read_text()  # its full tables, verbatim
+    assert '33 of 80 runs of the full sweep present; not yet run: bf16-eager-b1 (7 of 10 groups), ' in out
+    assert '| deit_base_patch16_224 | RePa deployed | 66.83 | 1916.8 | 1.57x | 1.67x (RePa T2) | close | 1.60x | ' \
+           '1.96x (RePa T1) | does not hold |' in out
+
+
+def test_readme_h100_table_is_the_committed_results():
+    """Every figure of the README's H100 table (fp32, batch 128) is a committed result, rounded as printed."""
+    readme = (ROOT / 'README.md').read_text()
+    section = readme.split("### One H100 GPU, the papers' setting")[1].split('\n\n')[2]
+    vs_vanilla, _ = gpu_table15.paper_claims()
+    rows = [r.split('|')[1:-1] for r in section.splitlines()[2:]]
+    assert [r[0].strip() for r in rows] == list(GROUP_OF)
+    for name, *cells in rows:
+        group = GROUP_OF[name.strip()]
+        base = gpu_table15.GROUPS[group][0]
+        records = json.loads((ROOT / f'docs/results/gpu_speed_h100/fp32-eager-b128/{group}.json').read_text())
+        ours = {r['variant']: r for r in records}
+        expected = [f'{ours["vanilla"]["infer_samples_per_sec"]:.1f}']
+        for variant, claimed in (('repa_deployed', True), ('iffn_deployed', False), ('afbo', True), ('glu4', True)):
+            if variant not in ours:
+                expected += ['', ''] if claimed else ['']
+                continue
+            bold = '**' if variant == 'repa_deployed' else ''
+            expected.append(f'{bold}{ours[variant]["speedup_vs_baseline"]:.2f}x{bold}')
+            if claimed:
+                expected.append(f'{vs_vanilla[base, variant][0]:.2f}x')
+        assert [c.strip() for c in cells] == expected, name
+
+
+def _summary_rows(doc: str, heading: str) -> dict:
+    """{first cell: other cells} of the first markdown table after ``heading`` in ``doc``."""
+    lines = doc.split(heading, 1)[1].split('\n\n')[1].splitlines()[2:]
+    return {r.split('|')[1].strip(): [c.strip() for c in r.split('|')[2:-1]] for r in lines}
+
+
+def test_gpu_speed_summaries_are_the_full_tables():
+    """docs/gpu_speed.md's per-paper summaries repeat the full tables' cells (the script's output), nothing else."""
+    doc = (ROOT / 'docs/gpu_speed.md').read_text()
+    full = {}  # (setting title, backbone, model) -> cells, claims without their source ('1.33x (RePa T2)' -> '1.33x')
+    for section in (ROOT / 'docs/results/gpu_speed_h100/table.md').read_text().split('### ')[1:]:
+        title, *lines = section.splitlines()
+        for r in lines[3:]:
+            cells = [re.sub(r' \((RePa|AFBO) T[^)]*\)$', '', c.strip()) for c in r.split('|')[1:-1]] \
+                if r.startswith('| ') else None
+            if cells:
+                full[title, cells[0], cells[1]] = cells
+    b128 = "fp32, eager, batch 128 (the papers' setting)"
+    base = {name: gpu_table15.GROUPS[group][0] for name, group in GROUP_OF.items()}
+    repa = _summary_rows(doc, '### RePa (Tables 1 and 2)')
+    assert len(repa) == 9
+    for name, cells in repa.items():
+        dep, train = full[b128, base[name], 'RePa deployed'], full[b128, base[name], 'RePa (training form)']
+        assert cells == dep[4:10] + train[4:6], name
+    afbo = _summary_rows(doc, '### AFBO (Tables 2 and 11)')
+    assert len(afbo) == 3
+    for name, cells in afbo.items():
+        a, g = full[b128, base[name], 'AFBO'], full[b128, base[name], 'GLU (M=4)']
+        swiglu = full[b128, base[name], 'SwiGLU (M=8/3)']
+        assert cells[:8] == a[4:7] + g[4:7] + [swiglu[4], f'{float(a[2]) / float(g[2]):.2f}'], name  # ms: AFBO / GLU
+        paper = float(g[5][:-1]) / float(a[5][:-1])  # (vanilla / GLU) / (vanilla / AFBO) = AFBO / GLU time
+        assert float(cells[8]) == pytest.approx(paper, abs=0.011), name  # from the rounded claims
+    iffn = _summary_rows(doc, '### IFFN (no published speed)')
+    assert len(iffn) == 3
+    for name, cells in iffn.items():
+        assert cells == [v[4] for (_, b, m), v in full.items() if b == base[name] and m == 'IFFN deployed'], name
 
 
 def test_table_script_usage_error(capsys):
     assert gpu_table15.main(['/no/such/folder']) == 2
     assert 'usage: gpu_table15.py RESULTS_FOLDER' in capsys.readouterr().err
+
+
+def test_resuming_on_another_setup_is_refused(tmp_path, capsys):
+    """A later lease given an H100 lease's results on another GPU (or torch, or budget flags) must not mix the
+    two in one table: a clear error before any run, the results already there untouched."""
+    import gpu_issue15
+    shutil.copytree(ROOT / 'docs/results/gpu_speed_h100', tmp_path / 'gpu15')
+    before = (tmp_path / 'gpu15/env.json').read_text()
+    with pytest.raises(SystemExit) as exit_:
+        gpu_issue15.main(['--out', str(tmp_path / 'gpu15'), '--device', 'cpu', '--budget', '0'])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert 'holds runs measured on another setup (gpu NVIDIA H100 80GB HBM3 -> None; cpu None -> ' in err
+    assert 'give a fresh --out' in err and (tmp_path / 'gpu15/env.json').read_text() == before
+
+
+def test_profile_script_compares_sliced_and_whole_batch(monkeypatch, capsys):
+    """scripts/gpu_profile15.py (the next GPU lease's check of docs/gpu_speed.md's hypothesis) on the CPU: the
+    layer's slice budget (made tiny here so that a 32 px batch of 4 is cut into 4 slices), then the whole batch."""
+    import gpu_profile15
+    from vitblocks.layers import IFFN
+    monkeypatch.setattr(IFFN, 'inference_chunk_bytes', 4096)
+    assert gpu_profile15.main(['iffn_deit_tiny_patch16_224', '--device', 'cpu', '--img-size', '32', '--batch', '4',
+                               '--repeats', '1']) == 0
+    out = capsys.readouterr().out
+    assert 'first IFFN, input (4, 4, 192), fp32, slice budget 0.00390625 MiB: 4 batch slice(s), 0 CUDA kernels' in out
+    assert 'slice budget 0 MiB: 1 batch slice(s)' in out and out.count('Self CPU time total') == 2
+    with pytest.raises(SystemExit):
+        gpu_profile15.main(['deit_tiny_patch16_224', '--device', 'cpu', '--img-size', '32', '--batch', '1'])
+    assert 'has no IFFN or AFBO module; give an iffn_* or afbo_* model' in capsys.readouterr().err
 
 
 @pytest.mark.slow
