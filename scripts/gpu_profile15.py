@@ -1,4 +1,5 @@
-"""Profile the first deployed IFFN/AFBO FFN of a model with torch.profiler, with and without batch slicing.
+"""Profile the first deployed IFFN/AFBO FFN of a model with torch.profiler: its CPU inference path with and
+without batch slicing, and the forward as dispatched (off the CPU the reference path, since 2026-11-23).
 
 Why (docs/gpu_speed.md): on the H100 the deployed IFFN-Ti/S/B ran at 0.27-0.60x vanilla DeiT at batch 128
 and AFBO at 0.37-0.66x its backbone, far below their CPU ratios. Both inference paths cut the batch into
@@ -9,7 +10,7 @@ per forward well above its CUDA time) with slicing on, and fast with it off (bud
     PYTHONPATH=src python scripts/gpu_profile15.py iffn_deit_small_patch16_224   # on the GPU machine, repo root
     PYTHONPATH=src python scripts/gpu_profile15.py afbo_poolformer_s12 --amp bf16
 
-For the layer's default slice budget and then 0 it prints the FFN's slice and kernel counts, its CPU and CUDA time
+For each of the three it prints the FFN's slice and kernel counts, its CPU and CUDA time
 per forward (median of --repeats profiled calls on the FFN's real input, captured by a hook) and
 torch.profiler's table of the ops by device time.
 """
@@ -63,14 +64,19 @@ def main(argv=None) -> int:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
     with torch.inference_mode(), torch.autocast(device.type, torch.bfloat16, enabled=args.amp == 'bf16'):
         h = ffn_input(model, ffn, torch.randn(args.batch, 3, size, size, device=device))
-        for budget in (type(ffn).inference_chunk_bytes, 0):  # the layer's CPU-sized slices, then the whole batch
+        # the CPU inference path as the committed H100 tables ran it (the layer's CPU-sized slices), the same
+        # path on the whole batch, and the forward as dispatched now (off the CPU: the reference path)
+        variants = [('inference path, slice budget', ffn._forward_inference, type(ffn).inference_chunk_bytes),
+                    ('inference path, slice budget', ffn._forward_inference, 0),
+                    ('forward as dispatched', ffn, type(ffn).inference_chunk_bytes)]
+        for label, forward, budget in variants:
             ffn.inference_chunk_bytes = budget
             for _ in range(3):  # warm-up: cuDNN's algorithm choice, the allocator
-                ffn(h)
+                forward(h)
             cpu_ms, dev_ms = [], []
             for _ in range(args.repeats):
                 with profile(activities=activities) as prof:
-                    ffn(h)
+                    forward(h)
                     if device.type == 'cuda':
                         torch.cuda.synchronize()
                 events = prof.key_averages()
@@ -80,10 +86,10 @@ def main(argv=None) -> int:
             convs = sum(e.count for e in events if e.key == 'aten::conv2d')  # depthwise convs: 1 (IFFN), 2 (AFBO)
             slices = convs // (2 if isinstance(ffn, AFBO) else 1)  # per batch slice
             per_thread = ' per thread' if isinstance(ffn, AFBO) else ''
-            print(f'{args.model} first {type(ffn).__name__}, input {tuple(h.shape)}, {args.amp or "fp32"}, slice '
-                  f'budget {budget / 2 ** 20:g} MiB{per_thread}: {slices} batch slice(s), {kernels} CUDA kernels, '
-                  f'CPU {statistics.median(cpu_ms):.2f} ms, CUDA {statistics.median(dev_ms):.2f} ms per forward '
-                  f'(median of {args.repeats})')
+            what = f'{label} {budget / 2 ** 20:g} MiB{per_thread}' if forward is not ffn else label
+            print(f'{args.model} first {type(ffn).__name__}, input {tuple(h.shape)}, {args.amp or "fp32"}, {what}: '
+                  f'{slices} batch slice(s), {kernels} CUDA kernels, CPU {statistics.median(cpu_ms):.2f} ms, '
+                  f'CUDA {statistics.median(dev_ms):.2f} ms per forward (median of {args.repeats})')
             sort = 'self_cuda_time_total' if device.type == 'cuda' else 'self_cpu_time_total'
             print(events.table(sort_by=sort, row_limit=args.rows))
     return 0

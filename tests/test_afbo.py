@@ -1,5 +1,7 @@
 """AFBO: channel maps against explicit structured-sparse matrices, every variant forward/backward,
 the fast inference path, surgery on every supported backbone, group-number errors, the paper tables."""
+import copy
+
 import pytest
 import timm
 import torch
@@ -263,6 +265,22 @@ def test_inference_path_matches_reference(cfg, layout_kind):
     torch.testing.assert_close(sliced, reference, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(threaded, reference, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(unsliced, reference, rtol=1e-5, atol=1e-4)
+
+
+def test_inference_path_is_cpu_only(monkeypatch):
+    """The sliced inference path (``out=`` matmuls, CPU-cache slices) runs on the CPU only; another
+    device (here 'meta', standing in for a GPU) takes the reference path, which autocast can cast."""
+    layout, x = _layer_input('tokens+prefix')
+    layer = _randomize(AFBO(D, HID, layout=layout)).eval()
+    on_meta = copy.deepcopy(layer).to('meta')
+    calls = []
+    for m in (layer, on_meta):
+        monkeypatch.setattr(m, '_forward_inference', lambda t: calls.append(t.device.type) or t)
+    with torch.inference_mode():
+        out = on_meta(x.to('meta'))
+        assert out.shape == x.shape and out.device.type == 'meta' and calls == []
+        layer(x)
+    assert calls == ['cpu']
 
 
 def test_channels_first_equals_tokens():

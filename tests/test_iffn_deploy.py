@@ -110,6 +110,21 @@ def test_deploy_form_uses_reference_path_under_autograd():
         torch.testing.assert_close(out.detach(), deployed(x.detach()), rtol=RTOL, atol=RTOL)
 
 
+def test_inference_path_is_cpu_only(monkeypatch):
+    """The sliced, in-place inference path is for the CPU; another device (here 'meta', standing in for
+    a GPU) runs the readable path under inference_mode, so autocast and whole-batch kernels apply."""
+    deployed = perturb_(IFFN(16, 64, grid_size=(3, 4)), std=0.2, batchnorm=True).eval().fuse()
+    on_meta = copy.deepcopy(deployed).to('meta')
+    calls = []
+    for m in (deployed, on_meta):
+        monkeypatch.setattr(m, '_forward_inference', lambda x: calls.append(x.device.type) or x)
+    with torch.inference_mode():
+        out = on_meta(torch.randn(2, 12, 16, device='meta'))
+        assert out.shape == (2, 12, 16) and out.device.type == 'meta' and calls == []
+        deployed(torch.randn(2, 12, 16))
+    assert calls == ['cpu']
+
+
 def test_deploy_form_errors_like_training_form():
     deployed = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1, deploy=True).eval()
     with torch.inference_mode(), pytest.raises(ValueError, match='1 prefix tokens \\+ a 3x4 grid = 13'):

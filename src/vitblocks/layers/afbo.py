@@ -144,9 +144,11 @@ class AFBO(nn.Module):
         grid_size, num_prefix_tokens, channels_first, layout: where the 2-D grid is
             (:class:`~vitblocks.layers.TokenLayout`); surgery sets and updates it.
 
-    In eval mode without autograd (``torch.inference_mode`` / ``no_grad``), the default
+    On the CPU in eval mode without autograd (``torch.inference_mode`` / ``no_grad``), the default
     structure ('cm' or 'cm_sm' order with depthwise conv, no norm) runs :meth:`_forward_inference`:
-    same numbers, fewer memory passes.
+    same numbers, fewer memory passes. Other devices run the reference path: the inference path's
+    batch slices and ``out=`` matmuls serve the CPU's caches, cost kernel launches on a GPU and are not
+    cast by autocast (docs/gpu_speed.md).
     """
 
     # Inference path: run the batch in slices so that each Md-wide intermediate holds about this many
@@ -296,7 +298,8 @@ class AFBO(nn.Module):
         self.layout.set_grid(feat_size)
         # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below
         if not torch.jit.is_scripting():
-            if not (self.training or torch.is_grad_enabled()) and self._has_inference_path():
+            if (x.device.type == 'cpu' and not (self.training or torch.is_grad_enabled())
+                    and self._has_inference_path()):
                 return self._forward_inference(x)
         cf = self.layout.channels_first
         if cf:

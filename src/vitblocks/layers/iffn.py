@@ -139,8 +139,11 @@ class IFFN(nn.Module):
         deploy: build the inference form directly (no BatchNorm; the depthwise conv carries
             the folded BN), so checkpoints saved after :meth:`fuse` load into it.
 
-    In the deploy form, inference (eval mode, autograd off, e.g. ``torch.inference_mode``)
-    takes :meth:`_forward_inference`; training or autograd use the readable path below.
+    In the deploy form, inference on the CPU (eval mode, autograd off, e.g. ``torch.inference_mode``)
+    takes :meth:`_forward_inference`; training, autograd and other devices use the readable path below.
+    The inference path is a CPU path: its batch slices keep the wide hidden features in the CPU's caches,
+    and its ``out=`` matmuls are not cast by autocast; on a GPU they cost kernel launches and fp32 math
+    (docs/gpu_speed.md), where the readable path is a few large, autocast-aware kernels.
     """
 
     # Inference path: process the batch in slices of about this many bytes of C'-wide hidden
@@ -229,7 +232,8 @@ class IFFN(nn.Module):
         """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
         self.layout.set_grid(feat_size)
         # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below
-        if not torch.jit.is_scripting() and self.deploy and not (self.training or torch.is_grad_enabled()):
+        if (not torch.jit.is_scripting() and self.deploy and x.device.type == 'cpu'
+                and not (self.training or torch.is_grad_enabled())):
             return self._forward_inference(x)
         x = self.fc1(x)
         x = self.act(x)
