@@ -28,6 +28,7 @@ from vitblocks.cli import train as train_cmd
 from vitblocks.experiments import (CheckpointError, TrainingDiverged, list_recipes, load_checkpoint,
                                    load_model_weights, load_recipe, merge, save_checkpoint, train)
 from vitblocks.experiments.config import ConfigError, parse_overrides
+from vitblocks.experiments.setup import set_cuda_matmul_precision
 from vitblocks.profile import fixed_threads
 
 from _train_helpers import TINY_VIT, tiny_dataset
@@ -281,6 +282,19 @@ def test_config_errors_say_what_to_fix():
         merge({'epochs': 0})
     with pytest.raises(ConfigError, match="unknown recipe 'dei'. Did you mean: deit"):
         load_recipe('dei')
+    with pytest.raises(ConfigError, match="matmul_precision='medium': expected one of highest, high"):
+        merge({'matmul_precision': 'medium'})
+
+
+def test_matmul_precision_sets_tf32_for_matmuls_and_convolutions():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        set_cuda_matmul_precision('high')
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        set_cuda_matmul_precision('highest')  # full fp32: cuDNN's TF32 default (on) is turned off too
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------

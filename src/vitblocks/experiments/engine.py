@@ -36,7 +36,7 @@ from .resume import auto_resume_checkpoint, load_on_every_rank
 from .runlog import MetricsLog, Progress, remove_stale_temporaries
 from .schedule import build_scheduler, restore_scheduler, scheduler_state
 from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader,
-                    open_train_split, resolve_device, setup_data)
+                    open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
 
 __all__ = ['train', 'TrainingDiverged', 'RunResult', 'default_run_name', 'Trainer']
 
@@ -84,6 +84,8 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
         self.dist: DistInfo = init_distributed(self.device.type)
+        if self.device.type == 'cuda':
+            set_cuda_matmul_precision(cfg.matmul_precision)
         if self.device.type == 'cuda' and self.dist.enabled:
             self.device = torch.device('cuda', self.dist.local_rank)
         seed_everything(derive_seed(cfg.seed, self.dist.rank), cfg.deterministic, self.device)

@@ -17,7 +17,7 @@ from .config import ConfigError, TrainConfig
 
 __all__ = ['create_model', 'mlp_dropout_kwargs', 'model_input_size', 'norm_stats', 'DataSetup', 'setup_data',
            'make_loader', 'pil_transform', 'open_train_split', 'resolve_device', 'load_initial_weights',
-           'dataset_manifest', 'check_same_dataset']
+           'dataset_manifest', 'check_same_dataset', 'set_cuda_matmul_precision']
 
 
 def resolve_device(name: str) -> torch.device:
@@ -27,6 +27,15 @@ def resolve_device(name: str) -> torch.device:
     if dev.type == 'cuda' and not torch.cuda.is_available():
         raise ConfigError(f'device={name}: CUDA is not available here; use device=cpu')
     return dev
+
+
+def set_cuda_matmul_precision(precision: str) -> None:
+    """``matmul_precision`` of a CUDA run: 'high' lets fp32 matmuls (cuBLAS) and convolutions (cuDNN)
+    round their inputs to TF32 on tensor cores (10-bit mantissa, fp32 range and accumulation), as
+    TensorFlow does by default on Ampere and newer GPUs; 'highest' keeps both in full fp32. Process-wide
+    (torch has no per-model switch); autocast regions are unaffected."""
+    tf32 = precision == 'high'
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
 
 
 def mlp_dropout_kwargs(name: str, p: float) -> Dict[str, Any]:

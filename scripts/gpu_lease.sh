@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Everything still owed to a GPU, in priority order, as ONE background job on the GPU machine:
+#   1. issue 10, NiNformer Table 1: 8 runs at once (100 epochs, `ninformer` recipe, fp32 with TF32
+#      matmuls, compiled with CUDA graphs)                                        -> runs/gpu-t1
+#   2. issue 15, the check of docs/gpu_speed.md's IFFN/AFBO hypothesis (scripts/gpu_profile15.py)
+#                                                                                 -> runs/profile15/*.txt
+#   3. issue 15, the speed sweep (scripts/gpu_issue15.py), resuming the committed runs still valid
+#                                                                                 -> runs/gpu15
+# Why one background job: the device tool ends a call's processes when the call returns, except a new
+# process session's (setsid), which runs on until the machine is given back (30 s after a call). So each
+# call of this script starts the job if none is alive, watches it for SECONDS (or until it ends), prints
+# the progress and packs what is done into $OUT. Make the calls back to back: the next call finds the
+# job still running, and no run restarts, loses an epoch or compiles again between calls.
+#
+# Usage (repo root of the GPU machine; MNIST and CIFAR-10 shards copied to .gpu_data/{mnist,cifar10}
+# and carried):
+#   bash scripts/gpu_lease.sh [SECONDS]     # default 560 (the device tool allows 600 per call)
+# Repeat until it prints "lease job: done". Each call leaves in $OUT (or .): results.tgz (Table 1:
+# config, metrics, results and log of each run, no checkpoints), gpu15.tgz (the sweep's JSON files and
+# table), profile15.tgz and lease.log. On a fresh machine (a later lease) put the earlier results.tgz
+# and gpu15.tgz in .gpu_state/ and carry it: finished runs are reused; unfinished Table 1 runs start over
+# (a run's checkpoint, ~32 MB, does not fit what the device tool brings back).
+# Dry run on a CPU (tests/test_gpu_lease.py): T1_FLAGS, SWEEP_FLAGS and PROFILE_FLAGS replace the GPU flags.
+# Then, here: docs/training.md ("Issue 10 on one GPU") and docs/gpu_speed.md ("Resuming") say what to run.
+set -u
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_COMPILE_THREADS=2                 # 8 compiling processes on 16 cores
+export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/.inductor
+python=${PYTHON:-python3}
+t1_flags=${T1_FLAGS:-"--device cuda --data-root .gpu_data --threads 2 --set compile=true compile_mode=reduce-overhead \
+deterministic=false matmul_precision=high progress=log log_interval=200"}
+sweep_flags=${SWEEP_FLAGS:-"--device cuda"}
+profile_flags=${PROFILE_FLAGS:-"--device cuda"}
+profile_models=${PROFILE_MODELS:-"iffn_deit_small_patch16_224 iffn_deit_small_patch16_224:bf16 afbo_poolformer_s12"}
+
+job() {  # the background job: each step in turn, whatever the one before it left
+  $python -m vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --jobs 8 --output runs/gpu-t1 \
+    $t1_flags >> runs/gpu-t1.log 2>&1
+  echo "$(date -u +%T) table1 exit $?" >> runs/lease.log
+  mkdir -p runs/profile15
+  for spec in $profile_models; do  # model[:bf16]
+    model=${spec%%:*}; amp=(); name=$model
+    [ "$spec" != "$model" ] && amp=(--amp "${spec#*:}") && name=$model-${spec#*:}
+    [ -s runs/profile15/$name.txt ] || \
+      $python scripts/gpu_profile15.py "$model" "${amp[@]}" $profile_flags > runs/profile15/$name.txt 2>&1
+    echo "$(date -u +%T) profile $name exit $?" >> runs/lease.log
+  done
+  $python scripts/gpu_issue15.py --out runs/gpu15 $sweep_flags >> runs/gpu15.log 2>&1
+  rc=$?
+  if [ $rc = 2 ] && tail -1 runs/gpu15.log | grep -q 'holds runs measured on another setup'; then
+    # another GPU, driver or torch than the committed runs': all 80 runs afresh, none mixed in
+    mv runs/gpu15 runs/gpu15-other-setup
+    $python scripts/gpu_issue15.py --out runs/gpu15 $sweep_flags >> runs/gpu15.log 2>&1
+    rc=$?
+  fi
+  echo "$(date -u +%T) sweep exit $rc" >> runs/lease.log
+  $python scripts/gpu_table15.py runs/gpu15 > runs/gpu15/table.md 2>> runs/lease.log
+  touch runs/lease.done
+}
+if [ "${1:-}" = "--job" ]; then job; exit 0; fi
+
+budget=${1:-560}
+mkdir -p runs
+if [ ! -e runs/.lease_unpacked ]; then  # once per machine: an earlier lease's results, else the committed ones
+  if [ -f .gpu_state/results.tgz ]; then
+    tar xzf .gpu_state/results.tgz
+    for d in runs/gpu-t1/*/*/; do  # unfinished runs lost their checkpoints: start them over
+      [ -d "$d" ] && [ ! -f "$d/results.json" ] && rm -rf "$d"
+    done
+  fi
+  if [ -f .gpu_state/gpu15.tgz ]; then
+    tar xzf .gpu_state/gpu15.tgz
+  elif [ -f docs/results/gpu_speed_h100/env.json ] && [ ! -e runs/gpu15 ]; then
+    # the committed sweep, without the groups measured before IFFN/AFBO took their GPU path (docs/gpu_speed.md);
+    # scripts/gpu_issue15.py refuses all of it if this machine's GPU, driver or torch differ
+    mkdir -p runs/gpu15 && cp -r docs/results/gpu_speed_h100/. runs/gpu15/
+    rm -f runs/gpu15/*/deit_*.json runs/gpu15/*/swin_tiny.json runs/gpu15/*/poolformer_s12.json \
+      runs/gpu15/*/poolformer_s24.json runs/gpu15/table.md
+  fi
+  touch runs/.lease_unpacked
+fi
+
+alive() { [ -f runs/lease.pid ] && kill -0 "$(cat runs/lease.pid)" 2> /dev/null; }
+if alive; then
+  echo "lease job running (pid $(cat runs/lease.pid)), watching it"
+elif [ -e runs/lease.done ]; then
+  echo "lease job finished in an earlier call"
+else
+  setsid bash -c 'echo $$ > runs/lease.pid; exec bash scripts/gpu_lease.sh --job' < /dev/null > /dev/null 2>&1 &
+  sleep 2
+  echo "$(date -u +%T) lease job started (pid $(cat runs/lease.pid))" | tee -a runs/lease.log
+fi
+
+end=$((SECONDS + budget))
+while alive && [ $SECONDS -lt $end ]; do
+  sleep 5
+  [ $((SECONDS % 120)) -lt 5 ] && command -v nvidia-smi > /dev/null && \
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader >> runs/gpu_usage.log
+done
+
+finished=$(ls runs/gpu-t1/*/*/results.json 2> /dev/null | wc -l)
+echo "Table 1: $finished of 8 runs finished"
+for f in runs/gpu-t1/*/*/metrics.csv; do
+  [ -f "$f" ] && echo "$f $(grep ',val,' "$f" | tail -1)"
+done
+tail -3 runs/gpu-t1.log 2> /dev/null
+echo "sweep: $(ls runs/gpu15/*/*.json 2> /dev/null | wc -l) of 80 runs written"
+tail -4 runs/gpu15.log 2> /dev/null
+cat runs/lease.log
+tail -2 runs/gpu_usage.log 2> /dev/null
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+$python -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__)"
+out=${OUT:-.}
+tar czf "$out/results.tgz" --exclude='*.pth' --exclude='tensorboard' runs/gpu-t1 runs/gpu-t1.log 2> /dev/null
+tar czf "$out/gpu15.tgz" runs/gpu15 runs/gpu15.log 2> /dev/null
+tar czf "$out/profile15.tgz" runs/profile15 2> /dev/null
+cp runs/lease.log "$out/lease.log"
+if [ -e runs/lease.done ]; then echo "lease job: done"; else echo "lease job: still running; call again at once"; fi
