@@ -31,9 +31,9 @@ def resolve_device(name: str) -> torch.device:
 
 def set_cuda_matmul_precision(precision: str) -> None:
     """``matmul_precision`` of a CUDA run: 'high' lets fp32 matmuls (cuBLAS) and convolutions (cuDNN)
-    round their inputs to TF32 on tensor cores (10-bit mantissa, fp32 range and accumulation), as
-    TensorFlow does by default on Ampere and newer GPUs; 'highest' keeps both in full fp32. Process-wide
-    (torch has no per-model switch); autocast regions are unaffected."""
+    round their inputs to TF32 on tensor cores (10-bit mantissa, fp32 range and accumulation; Ampere
+    and newer GPUs); 'highest' keeps both in full fp32. Process-wide (torch has no per-model switch);
+    autocast regions are unaffected."""
     tf32 = precision == 'high'
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
 
