@@ -15,7 +15,8 @@
 # Usage (repo root of the GPU machine; MNIST and CIFAR-10 shards copied to .gpu_data/{mnist,cifar10}
 # and carried):
 #   bash scripts/gpu_lease.sh [SECONDS]     # default 560 (the device tool allows 600 per call)
-# Repeat until it prints "lease job: done". Each call leaves in $OUT (or .): results.tgz (Table 1:
+# Repeat until it prints "lease job: done"; give the last call a SECONDS that ends it a minute before the
+# session's device time runs out (status: budget_left_s), or what it packed does not come back. Each call leaves in $OUT (or .): results.tgz (Table 1:
 # config, metrics, results and log of each run, no checkpoints), gpu15.tgz (the sweep's JSON files and
 # table), profile15.tgz and lease.log. On a fresh machine (a later lease) put the earlier results.tgz
 # and gpu15.tgz in .gpu_state/ and carry it: finished runs are reused; unfinished Table 1 runs start over
@@ -86,7 +87,14 @@ if alive; then
 elif [ -e runs/lease.done ]; then
   echo "lease job finished in an earlier call"
 else
-  setsid bash -c 'echo $$ > runs/lease.pid; exec bash scripts/gpu_lease.sh --job' < /dev/null > /dev/null 2>&1 &
+  # a forked child leads a new process session (what setsid(1) does; Python is there whatever the image
+  # has), writes its pid to runs/lease.pid and becomes the job
+  $python -c 'import os, sys
+if os.fork():
+    sys.exit(0)
+os.setsid()
+open("runs/lease.pid", "w").write(str(os.getpid()))
+os.execvp("bash", ["bash", "scripts/gpu_lease.sh", "--job"])' < /dev/null > /dev/null 2>&1
   sleep 2
   echo "$(date -u +%T) lease job started (pid $(cat runs/lease.pid))" | tee -a runs/lease.log
 fi
