@@ -103,7 +103,7 @@ class TrainConfig:
     device: str = 'auto'            # 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1'
     amp: bool = True                # autocast on CUDA (ignored on CPU)
     amp_dtype: str = 'bfloat16'     # or 'float16' (uses a GradScaler)
-    matmul_precision: str = 'highest'  # CUDA fp32 matmuls/convs: 'highest' full fp32, 'high' TF32 tensor cores (ignored on CPU)
+    matmul_precision: str = 'highest'  # CUDA fp32 matmuls/convs: 'highest' fp32, 'high' TF32 (ignored on CPU)
     compile: bool = False           # torch.compile the model
     compile_mode: str = 'default'   # torch.compile mode; 'reduce-overhead' (CUDA graphs) suits small models on a GPU
     threads: Optional[int] = None   # torch intra-op threads (default: torch's; 1 is fastest on a busy CPU)

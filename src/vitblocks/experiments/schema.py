@@ -188,7 +188,8 @@ def _list_len(n: int, item_rule: Callable[[Any], str]) -> Callable[[Any], str]:
 SCHEDULERS = ('cosine', 'tanh', 'step', 'multistep', 'plateau', 'poly', 'none')
 CHOICES = {'compile_mode': ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'),
            'pipeline': ('auto', 'tensor', 'pil'), 'progress': ('auto', 'bar', 'log', 'none'),
-           'amp_dtype': ('bfloat16', 'float16'), 'matmul_precision': ('highest', 'high'), 'clip_mode': ('norm', 'value', 'agc'),
+           'amp_dtype': ('bfloat16', 'float16'), 'matmul_precision': ('highest', 'high'),
+           'clip_mode': ('norm', 'value', 'agc'),
            'mixup_mode': ('batch', 'pair', 'elem'), 'sched': SCHEDULERS,
            'interpolation': ('bilinear', 'bicubic'),  # the two both pipelines implement
            'remode': ('const', 'rand', 'pixel'), 'dist_bn': ('reduce', 'broadcast', 'none')}
