@@ -88,13 +88,15 @@ elif [ -e runs/lease.done ]; then
   echo "lease job finished in an earlier call"
 else
   # a forked child leads a new process session (what setsid(1) does; Python is there whatever the image
-  # has), writes its pid to runs/lease.pid and becomes the job
+  # has), writes its pid to runs/lease.pid and becomes the job. It runs a copy of this script: the device
+  # tool copies the working tree again at each call, and bash reads a script as it goes
+  cp scripts/gpu_lease.sh runs/.lease_job.sh
   $python -c 'import os, sys
 if os.fork():
     sys.exit(0)
 os.setsid()
 open("runs/lease.pid", "w").write(str(os.getpid()))
-os.execvp("bash", ["bash", "scripts/gpu_lease.sh", "--job"])' < /dev/null > /dev/null 2>&1
+os.execvp("bash", ["bash", "runs/.lease_job.sh", "--job"])' < /dev/null > /dev/null 2>&1
   sleep 2
   echo "$(date -u +%T) lease job started (pid $(cat runs/lease.pid))" | tee -a runs/lease.log
 fi
