@@ -16,9 +16,9 @@
 # and carried):
 #   bash scripts/gpu_lease.sh [SECONDS]     # default 560 (the device tool allows 600 per call)
 # Repeat until it prints "lease job: done"; give the last call a SECONDS that ends it a minute before the
-# session's device time runs out (status: budget_left_s), or what it packed does not come back. Each call leaves in $OUT (or .): results.tgz (Table 1:
-# config, metrics, results and log of each run, no checkpoints), gpu15.tgz (the sweep's JSON files and
-# table), profile15.tgz and lease.log. On a fresh machine (a later lease) put the earlier results.tgz
+# session's device time runs out (status: budget_left_s), or what it packed does not come back.
+# Each call leaves in $OUT (or .): results.tgz (Table 1: config, metrics, results and log of each run, no
+# checkpoints), gpu15.tgz (the sweep's JSON files and table), profile15.tgz and lease.log. On a fresh machine (a later lease) put the earlier results.tgz
 # and gpu15.tgz in .gpu_state/ and carry it: finished runs are reused; unfinished Table 1 runs start over
 # (a run's checkpoint, ~32 MB, does not fit what the device tool brings back).
 # Dry run on a CPU (tests/test_gpu_lease.py): T1_FLAGS, SWEEP_FLAGS and PROFILE_FLAGS replace the GPU flags.

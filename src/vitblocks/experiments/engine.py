@@ -86,8 +86,8 @@ class Trainer:
         self.dist: DistInfo = init_distributed(self.device.type)
         if self.device.type == 'cuda':
             set_cuda_matmul_precision(cfg.matmul_precision)
-        if self.device.type == 'cuda' and self.dist.enabled:
-            self.device = torch.device('cuda', self.dist.local_rank)
+            if self.dist.enabled:
+                self.device = torch.device('cuda', self.dist.local_rank)
         seed_everything(derive_seed(cfg.seed, self.dist.rank), cfg.deterministic, self.device)
 
         if resume is None and cfg.resume == 'auto':
