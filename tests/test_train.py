@@ -217,11 +217,21 @@ class NaNAfter(nn.Module):
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
     cfg = tiny_cfg(data, tmp_path, checkpoint_interval=2, mixup=0, cutmix=0)
-    with pytest.raises(TrainingDiverged, match=r'loss is nan at step 5.*last good checkpoint is .*last\.pth'):
+    with pytest.raises(TrainingDiverged, match=r'loss is nan at step 5.*last good checkpoint is .*last\.pth') as err:
         train(cfg, model=NaNAfter(bad=5))
+    # warm-up and clipping are on, amp is off on a CPU: the hint names only the learning rate
+    assert str(err.value).endswith('Try: a lower learning rate (now 0.003)')
     ckpt = load_checkpoint(tmp_path / 'run' / 'last.pth')
     assert ckpt['global_step'] == 4
     assert all(torch.isfinite(v).all() for v in ckpt['model'].values() if v.is_floating_point())
+
+
+def test_nan_hint_names_only_remedies_not_in_effect(data, tmp_path):
+    cfg = tiny_cfg(data, tmp_path, warmup_epochs=0, clip_grad=None, sched='none', mixup=0, cutmix=0)
+    with pytest.raises(TrainingDiverged, match=r'loss is nan at step 2; stopped; no checkpoint was saved yet\. '
+                       r'Try: a lower learning rate \(now 0\.003\); warm-up \(warmup_epochs=5\); '
+                       r'gradient clipping \(clip_grad=1\.0\)$'):
+        train(cfg, model=NaNAfter(bad=2))
 
 
 def test_truncated_and_foreign_checkpoints_are_refused(data, tmp_path):

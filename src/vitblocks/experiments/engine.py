@@ -282,9 +282,22 @@ class Trainer:
     def _diverged(self, loss_value: float, where: str) -> TrainingDiverged:
         last = self.run_dir / 'last.pth'
         keep = f'the last good checkpoint is {last}' if last.exists() else 'no checkpoint was saved yet'
-        return TrainingDiverged(f'loss is {loss_value} at {where}; stopped; {keep}. Lower the learning rate '
-                                f'(now {self.lr:g}), add warm-up or gradient clipping (clip_grad=1.0), or use '
-                                f'amp_dtype=bfloat16')
+        return TrainingDiverged(f'loss is {loss_value} at {where}; stopped; {keep}. Try: '
+                                + '; '.join(self._divergence_remedies()))
+
+    def _divergence_remedies(self) -> list:
+        """What may keep a run from diverging, naming only what is not in effect already."""
+        cfg = self.cfg
+        remedies = [f'a lower learning rate (now {self.lr:g})']
+        if not cfg.warmup_epochs:
+            remedies.append('warm-up (warmup_epochs=5)')
+        if cfg.clip_grad is None:
+            remedies.append('gradient clipping (clip_grad=1.0)')
+        if self.scaler is not None:  # float16 autocast
+            remedies.append('amp_dtype=bfloat16 (the range of fp32)')
+        elif cfg.amp and self.device.type == 'cuda':
+            remedies.append('amp=false (full fp32)')
+        return remedies
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on one batch; returns the (detached) loss."""
