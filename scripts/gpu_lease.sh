@@ -2,6 +2,8 @@
 # Everything still owed to a GPU, in priority order, as ONE background job on the GPU machine:
 #   1. issue 10, NiNformer Table 1: 8 runs at once (100 epochs, `ninformer` recipe, fp32 with TF32
 #      matmuls, compiled with CUDA graphs)                                        -> runs/gpu-t1
+#      then each row that diverged or missed the paper by more than a point, in full fp32, and each
+#      diverged one also with clip_grad=1.0 (scripts/table1_rechecks.py)  -> runs/gpu-t1-{fp32,clip}
 #   2. issue 15, the check of docs/gpu_speed.md's IFFN/AFBO hypothesis (scripts/gpu_profile15.py)
 #                                                                                 -> runs/profile15/*.txt
 #   3. issue 15, the speed sweep (scripts/gpu_issue15.py), resuming the committed runs still valid
@@ -17,8 +19,9 @@
 #   bash scripts/gpu_lease.sh [SECONDS]     # default 560 (the device tool allows 600 per call)
 # Repeat until it prints "lease job: done"; give the last call a SECONDS that ends it a minute before the
 # session's device time runs out (status: budget_left_s), or what it packed does not come back.
-# Each call leaves in $OUT (or .): results.tgz (Table 1: config, metrics, results and log of each run, no
-# checkpoints), gpu15.tgz (the sweep's JSON files and table), profile15.tgz and lease.log. On a fresh machine (a later lease) put the earlier results.tgz
+# Each call leaves in $OUT (or .): results.tgz (Table 1 and its rechecks: config, metrics, results and log of
+# each run, no checkpoints), gpu15.tgz (the sweep's JSON files and table), profile15.tgz and lease.log.
+# On a fresh machine (a later lease) put the earlier results.tgz
 # and gpu15.tgz in .gpu_state/ and carry it: finished runs are reused; unfinished Table 1 runs start over
 # (a run's checkpoint, ~32 MB, does not fit what the device tool brings back).
 # Dry run on a CPU (tests/test_gpu_lease.py): T1_FLAGS, SWEEP_FLAGS and PROFILE_FLAGS replace the GPU flags.
@@ -38,6 +41,20 @@ job() {  # the background job: each step in turn, whatever the one before it lef
   $python -m vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --jobs 8 --output runs/gpu-t1 \
     $t1_flags >> runs/gpu-t1.log 2>&1
   echo "$(date -u +%T) table1 exit $?" >> runs/lease.log
+  # 1b. each row that diverged or ended more than a point below the paper, again in full fp32 (TF32 off),
+  # and each diverged one also with gradient clipping: all at once, each to its own log
+  $python scripts/table1_rechecks.py runs/gpu-t1 > runs/gpu-t1-rechecks.txt 2>> runs/lease.log
+  while read -r ds model why; do
+    for ablation in "fp32 matmul_precision=highest" "clip clip_grad=1.0"; do
+      set -- $ablation
+      [ "$1" = clip ] && [ "$why" != diverged ] && continue
+      mkdir -p "runs/gpu-t1-$1/$ds"
+      $python -m vitblocks reproduce ninformer-table1 --datasets "$ds" --models "$model" --output "runs/gpu-t1-$1" \
+        $t1_flags "$2" >> "runs/gpu-t1-$1/$ds/$model.log" 2>&1 < /dev/null &
+    done
+  done < runs/gpu-t1-rechecks.txt
+  wait
+  echo "$(date -u +%T) rechecks: $(wc -l < runs/gpu-t1-rechecks.txt) row(s) rerun" >> runs/lease.log
   mkdir -p runs/profile15
   for spec in $profile_models; do  # model[:bf16]
     model=${spec%%:*}; amp=(); name=$model
@@ -65,7 +82,7 @@ mkdir -p runs
 if [ ! -e runs/.lease_unpacked ]; then  # once per machine: an earlier lease's results, else the committed ones
   if [ -f .gpu_state/results.tgz ]; then
     tar xzf .gpu_state/results.tgz
-    for d in runs/gpu-t1/*/*/; do  # unfinished runs lost their checkpoints: start them over
+    for d in runs/gpu-t1*/*/*/; do  # unfinished runs lost their checkpoints: start them over
       [ -d "$d" ] && [ ! -f "$d/results.json" ] && rm -rf "$d"
     done
   fi
@@ -114,6 +131,13 @@ for f in runs/gpu-t1/*/*/metrics.csv; do
   [ -f "$f" ] && echo "$f $(grep ',val,' "$f" | tail -1)"
 done
 tail -3 runs/gpu-t1.log 2> /dev/null
+if [ -f runs/gpu-t1-rechecks.txt ]; then
+  echo "rechecks ($(ls runs/gpu-t1-{fp32,clip}/*/*/results.json 2> /dev/null | wc -l) ablation runs finished):"
+  cat runs/gpu-t1-rechecks.txt
+  for f in runs/gpu-t1-{fp32,clip}/*/*/metrics.csv; do
+    [ -f "$f" ] && echo "$f $(grep ',val,' "$f" | tail -1)"
+  done
+fi
 echo "sweep: $(ls runs/gpu15/*/*.json 2> /dev/null | wc -l) of 80 runs written"
 tail -4 runs/gpu15.log 2> /dev/null
 cat runs/lease.log
@@ -121,7 +145,7 @@ tail -2 runs/gpu_usage.log 2> /dev/null
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 $python -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__)"
 out=${OUT:-.}
-tar czf "$out/results.tgz" --exclude='*.pth' --exclude='tensorboard' runs/gpu-t1 runs/gpu-t1.log 2> /dev/null
+tar czf "$out/results.tgz" --exclude='*.pth' --exclude='tensorboard' runs/gpu-t1* 2> /dev/null  # + rechecks
 tar czf "$out/gpu15.tgz" runs/gpu15 runs/gpu15.log 2> /dev/null
 tar czf "$out/profile15.tgz" runs/profile15 2> /dev/null
 cp runs/lease.log "$out/lease.log"

@@ -2,7 +2,7 @@
 
 The job must outlive the call that started it (the device tool ends a call's processes, not a new
 process session's), a second call must watch the running job instead of starting another, and the
-packed results must hold every step: Table 1's eight runs, the profile and the sweep. Slow: eight
+packed results must hold every step: Table 1's eight runs and their rechecks, the profile and the sweep. Slow: eight
 training processes and the sweep's models on two CPU cores.
 """
 import json
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'tests'))
@@ -57,7 +58,15 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     assert json.loads((tmp_path / 'runs/gpu15/env.json').read_text())['img_size'] == 32
     with tarfile.open(tmp_path / 'out/results.tgz') as tar:
         names = tar.getnames()
-    assert sum(n.endswith('/results.json') for n in names) == 8 and not any(n.endswith('.pth') for n in names)
+    assert not any(n.endswith('.pth') for n in names)
+    assert sum(n.startswith('runs/gpu-t1/') and n.endswith('/results.json') for n in names) == 8
+    # one-step runs are far below the paper: every row is rerun in full fp32; none diverged, so none with clipping
+    assert len((tmp_path / 'runs/gpu-t1-rechecks.txt').read_text().splitlines()) == 8
+    assert sum(n.startswith('runs/gpu-t1-fp32/') and n.endswith('/results.json') for n in names) == 8
+    assert not any(n.startswith('runs/gpu-t1-clip') for n in names)
+    fp32 = yaml.safe_load((tmp_path / 'runs/gpu-t1-fp32/mnist/ninformer_vit_patch4_28/config.yaml').read_text())
+    assert fp32['matmul_precision'] == 'highest' and 'rechecks: 8 row(s) rerun' in log
+    assert 'rechecks (8 ablation runs finished):' in second.stdout
     with tarfile.open(tmp_path / 'out/gpu15.tgz') as tar:
         assert 'runs/gpu15/fp32-eager-b1/deit_tiny.json' in tar.getnames()
     with tarfile.open(tmp_path / 'out/profile15.tgz') as tar:

@@ -19,7 +19,7 @@ from vitblocks.cli import reproduce as reproduce_cmd
 from vitblocks.data import BatchTransform
 from vitblocks.experiments import engine, load_checkpoint
 from vitblocks.experiments.blocks_benchmark import BENCH_CONFIGS
-from vitblocks.experiments.reproduce import ninformer_config, ninformer_jobs, select_rows
+from vitblocks.experiments.reproduce import ninformer_config, ninformer_jobs, ninformer_rechecks, select_rows
 from vitblocks.experiments.setup import create_model
 from vitblocks.models.blocks_bench import bench_model_name
 from vitblocks.papers import load_paper
@@ -107,6 +107,28 @@ def test_models_are_matched_by_label_or_name_in_any_case():
     assert jobs('ViT', 'NiNformer') == [('mnist', 'ninformer_baseline_vit_patch4_28'), ('mnist', 'ninformer_vit_patch4_28')]
     assert [r.label for r in select_rows(load_paper('ninformer').table('1-CIFAR10').rows, ['mlpmixer', 'LOCALVIT'])] \
         == ['MlpMixer', 'LocalViT']
+
+
+def test_rechecks_list_diverged_runs_and_rows_more_than_the_margin_below_the_paper(tmp_path):
+    """The paper's CIFAR-10 column: ViT 65.74, MlpMixer 70.12, LocalViT 77.71, NiNformer 81.59."""
+    def finished(model, top1):
+        (tmp_path / 'cifar10' / model).mkdir(parents=True)
+        (tmp_path / 'cifar10' / model / 'results.json').write_text(json.dumps({'final': {'top1': top1}}))
+
+    finished('ninformer_baseline_mixer_patch4_32', 69.13)  # 0.99 below: within the margin
+    finished('ninformer_vit_patch4_32', 80.58)  # 1.01 below
+    log = tmp_path / 'cifar10' / 'ninformer_baseline_vit_patch4_32.log'
+    log.write_text('step 3200/39000 epoch 8.21 loss 1.3178\nvitblocks reproduce: stopped: loss is nan at steps '
+                   '3201..3400; stopped; the last good checkpoint is ...\n')
+    (tmp_path / 'cifar10' / 'ninformer_baseline_localvit_patch4_32.log').write_text('step 200/39000\n')  # running
+    assert ninformer_rechecks(tmp_path, ['mnist', 'cifar10']) == [
+        ('cifar10', 'ninformer_baseline_vit_patch4_32', 'diverged'),
+        ('cifar10', 'ninformer_vit_patch4_32', 'below the paper: 80.58 vs 81.59')]
+    assert ninformer_rechecks(tmp_path, ['cifar10'], margin=0.5)[1:] == [
+        ('cifar10', 'ninformer_baseline_mixer_patch4_32', 'below the paper: 69.13 vs 70.12'),
+        ('cifar10', 'ninformer_vit_patch4_32', 'below the paper: 80.58 vs 81.59')]
+    finished('ninformer_baseline_vit_patch4_32', 66.0)  # resumed and finished: its old log line no longer counts
+    assert [m for _, m, _ in ninformer_rechecks(tmp_path, ['cifar10'])] == ['ninformer_vit_patch4_32']
 
 
 @pytest.mark.parametrize('argv, message', [

@@ -26,7 +26,8 @@ from .engine import train
 from .setup import create_model
 
 __all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'ninformer_config', 'ninformer_jobs',
-           'ninformer_data', 'table_rows', 'find_dataset', 'run_or_reuse', 'select_rows', 'budget_overrides']
+           'ninformer_data', 'table_rows', 'find_dataset', 'run_or_reuse', 'select_rows', 'budget_overrides',
+           'ninformer_rechecks']
 
 # dataset -> (paper table number, folder name, recipe overrides). The authors' script is a
 # CIFAR script (random crop with 4-pixel padding, horizontal flips); the paper states no
@@ -218,3 +219,23 @@ def table_rows(runs: Sequence[TableRun]):
     notes.append('ours: after the last epoch; best: the highest of the per-epoch test evaluations (chosen on the '
                  'test split, so optimistic); delta: ours - paper')
     return headers, body, 'l' + 'rrrrr' * len(datasets), notes
+
+
+def ninformer_rechecks(output: str, datasets: Sequence[str] = ('mnist', 'cifar10'),
+                       margin: float = 1.0) -> List[Tuple[str, str, str]]:
+    """The Table 1 runs under ``output`` that need an ablation to explain them, as (dataset, model, why):
+    those that stopped on a non-finite loss (their ``<model>.log`` says so and no ``results.json`` was
+    written) and those that finished more than ``margin`` points below the paper. Runs not there, or
+    still going, are not listed."""
+    out = []
+    for ds in datasets:
+        for row in _table_rows(ds, None):
+            run_dir = Path(output) / ds / row.model
+            results, log = run_dir / 'results.json', Path(output) / ds / f'{row.model}.log'
+            if results.exists():
+                top1 = json.loads(results.read_text())['final']['top1']
+                if row.top1 is not None and top1 < row.top1 - margin:
+                    out.append((ds, row.model, f'below the paper: {top1:.2f} vs {row.top1:.2f}'))
+            elif log.exists() and 'stopped: loss is ' in log.read_text(errors='replace'):
+                out.append((ds, row.model, 'diverged'))
+    return out

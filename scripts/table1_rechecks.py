@@ -1,0 +1,19 @@
+"""The NiNformer Table 1 runs that need an ablation, one line each: ``<dataset> <model> <why>``.
+
+    python scripts/table1_rechecks.py runs/gpu-t1 [--margin 1.0]
+
+Listed: runs that stopped on a non-finite loss ("diverged") and finished runs more than --margin points
+below the paper. scripts/gpu_lease.sh reruns each in full fp32 (TF32 off) and each diverged one also
+with gradient clipping, so a row that misses the paper comes back with the evidence issue 10 asks for.
+"""
+import argparse
+
+from vitblocks.experiments.reproduce import NINFORMER_DATASETS, ninformer_rechecks
+
+p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+p.add_argument('output', help='the --output folder of `vitblocks reproduce ninformer-table1`')
+p.add_argument('--datasets', default='mnist,cifar10', help=f'comma-separated, of {", ".join(NINFORMER_DATASETS)}')
+p.add_argument('--margin', type=float, default=1.0, help='points below the paper that call for a recheck')
+args = p.parse_args()
+for ds, model, why in ninformer_rechecks(args.output, args.datasets.split(','), args.margin):
+    print(ds, model, why)
