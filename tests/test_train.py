@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import timm
@@ -28,6 +29,7 @@ from vitblocks.cli import train as train_cmd
 from vitblocks.experiments import (CheckpointError, TrainingDiverged, list_recipes, load_checkpoint,
                                    load_model_weights, load_recipe, merge, save_checkpoint, train)
 from vitblocks.experiments.config import ConfigError, parse_overrides
+from vitblocks.experiments.engine import Trainer
 from vitblocks.experiments.setup import set_cuda_matmul_precision
 from vitblocks.profile import fixed_threads
 
@@ -232,6 +234,16 @@ def test_nan_hint_names_only_remedies_not_in_effect(data, tmp_path):
                        r'Try: a lower learning rate \(now 0\.003\); warm-up \(warmup_epochs=5\); '
                        r'gradient clipping \(clip_grad=1\.0\)$'):
         train(cfg, model=NaNAfter(bad=2))
+
+
+@pytest.mark.parametrize('amp_dtype, has_scaler, last', [
+    ('bfloat16', False, 'amp=false (full fp32)'),  # what the H100 ViT run should have been told
+    ('float16', True, 'amp_dtype=bfloat16 (the range of fp32)'),
+])
+def test_nan_hint_under_cuda_autocast(amp_dtype, has_scaler, last):
+    trainer = SimpleNamespace(cfg=merge(dict(amp=True, amp_dtype=amp_dtype, warmup_epochs=5, clip_grad=1.0)),
+                              scaler=object() if has_scaler else None, device=torch.device('cuda'), lr=1e-3)
+    assert Trainer._divergence_remedies(trainer) == ['a lower learning rate (now 0.001)', last]
 
 
 def test_truncated_and_foreign_checkpoints_are_refused(data, tmp_path):
