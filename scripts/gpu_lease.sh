@@ -127,17 +127,14 @@ done
 
 finished=$(ls runs/gpu-t1/*/*/results.json 2> /dev/null | wc -l)
 echo "Table 1: $finished of 8 runs finished"
-for f in runs/gpu-t1/*/*/metrics.csv; do
-  [ -f "$f" ] && echo "$f $(grep ',val,' "$f" | tail -1)"
-done
-tail -3 runs/gpu-t1.log 2> /dev/null
 if [ -f runs/gpu-t1-rechecks.txt ]; then
   echo "rechecks ($(ls runs/gpu-t1-{fp32,clip}/*/*/results.json 2> /dev/null | wc -l) ablation runs finished):"
   cat runs/gpu-t1-rechecks.txt
-  for f in runs/gpu-t1-{fp32,clip}/*/*/metrics.csv; do
-    [ -f "$f" ] && echo "$f $(grep ',val,' "$f" | tail -1)"
-  done
 fi
+for f in runs/gpu-t1*/*/*/metrics.csv; do  # Table 1 and its rechecks
+  [ -f "$f" ] && echo "$f $(grep ',val,' "$f" | tail -1)"
+done
+tail -3 runs/gpu-t1.log 2> /dev/null
 echo "sweep: $(ls runs/gpu15/*/*.json 2> /dev/null | wc -l) of 80 runs written"
 tail -4 runs/gpu15.log 2> /dev/null
 cat runs/lease.log

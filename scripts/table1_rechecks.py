@@ -7,7 +7,9 @@ below the paper. scripts/gpu_lease.sh reruns each in full fp32 (TF32 off) and ea
 with gradient clipping, so a row that misses the paper comes back with the evidence issue 10 asks for.
 """
 import argparse
+from pathlib import Path
 
+from vitblocks.data import DataError
 from vitblocks.experiments.reproduce import NINFORMER_DATASETS, ninformer_rechecks
 
 p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -15,5 +17,11 @@ p.add_argument('output', help='the --output folder of `vitblocks reproduce ninfo
 p.add_argument('--datasets', default='mnist,cifar10', help=f'comma-separated, of {", ".join(NINFORMER_DATASETS)}')
 p.add_argument('--margin', type=float, default=1.0, help='points below the paper that call for a recheck')
 args = p.parse_args()
-for ds, model, why in ninformer_rechecks(args.output, args.datasets.split(','), args.margin):
+if not Path(args.output).is_dir():  # else a mistyped folder would read as "nothing to recheck"
+    p.error(f'{args.output}: no such folder')
+try:
+    rechecks = ninformer_rechecks(args.output, args.datasets.split(','), args.margin)
+except DataError as e:  # an unknown dataset
+    p.error(str(e))
+for ds, model, why in rechecks:
     print(ds, model, why)

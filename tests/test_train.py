@@ -242,7 +242,7 @@ def test_nan_hint_names_only_remedies_not_in_effect(data, tmp_path):
 ])
 def test_nan_hint_under_cuda_autocast(amp_dtype, has_scaler, last):
     trainer = SimpleNamespace(cfg=merge(dict(amp=True, amp_dtype=amp_dtype, warmup_epochs=5, clip_grad=1.0)),
-                              scaler=object() if has_scaler else None, device=torch.device('cuda'), lr=1e-3)
+                              scaler=object() if has_scaler else None, use_amp=True, lr=1e-3)
     assert Trainer._divergence_remedies(trainer) == ['a lower learning rate (now 0.001)', last]
 
 

@@ -12,7 +12,8 @@ from ..experiments import CheckpointError, ConfigError, TrainingDiverged, parse_
 from ..experiments import blocks_benchmark as bench
 from ..experiments.plots import TradeoffPoint, plot_curves, plot_tradeoff
 from ..experiments.config import load_recipe
-from ..experiments.reproduce import NINFORMER_DATASETS, ninformer_data, ninformer_jobs, ninformer_table1, table_rows
+from ..experiments.reproduce import (NINFORMER_DATASETS, ninformer_data, ninformer_jobs, ninformer_log,
+                                      ninformer_table1, table_rows)
 from .common import CliError, positive_int, render_table
 
 NAME = 'reproduce'
@@ -144,7 +145,7 @@ def _ninformer(args) -> int:
     for ds in datasets:  # and every dataset must be there
         ninformer_data(ds, args.data_root)
     if args.jobs > 1:
-        children = [(f'{ds}/{model}', _ninformer_child(args, ds, model, dropout), Path(args.output) / ds / f'{model}.log')
+        children = [(f'{ds}/{model}', _ninformer_child(args, ds, model, dropout), ninformer_log(args.output, ds, model))
                     for ds, model in jobs]
         if _report_failed(_run_jobs(children, args.jobs, args.threads)):
             return 1

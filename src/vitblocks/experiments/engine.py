@@ -138,10 +138,10 @@ class Trainer:
         self.ema = ModelEmaV3(self.model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup) \
             if cfg.model_ema else None
 
-        use_amp = cfg.amp and self.device.type == 'cuda'
+        self.use_amp = cfg.amp and self.device.type == 'cuda'
         amp_dtype = torch.float16 if cfg.amp_dtype == 'float16' else torch.bfloat16
-        self.autocast = (lambda: torch.autocast('cuda', dtype=amp_dtype)) if use_amp else nullcontext
-        self.scaler = NativeScaler(device='cuda') if use_amp and amp_dtype == torch.float16 else None
+        self.autocast = (lambda: torch.autocast('cuda', dtype=amp_dtype)) if self.use_amp else nullcontext
+        self.scaler = NativeScaler(device='cuda') if self.use_amp and amp_dtype == torch.float16 else None
 
         self.mixup = None
         if cfg.mixup > 0 or cfg.cutmix > 0:
@@ -295,7 +295,7 @@ class Trainer:
             remedies.append('gradient clipping (clip_grad=1.0)')
         if self.scaler is not None:  # float16 autocast
             remedies.append('amp_dtype=bfloat16 (the range of fp32)')
-        elif cfg.amp and self.device.type == 'cuda':
+        elif self.use_amp:  # bfloat16 autocast
             remedies.append('amp=false (full fp32)')
         return remedies
 

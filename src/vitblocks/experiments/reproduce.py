@@ -27,7 +27,7 @@ from .setup import create_model
 
 __all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'ninformer_config', 'ninformer_jobs',
            'ninformer_data', 'table_rows', 'find_dataset', 'run_or_reuse', 'select_rows', 'budget_overrides',
-           'ninformer_rechecks']
+           'ninformer_rechecks', 'ninformer_log']
 
 # dataset -> (paper table number, folder name, recipe overrides). The authors' script is a
 # CIFAR script (random crop with 4-pixel padding, horizontal flips); the paper states no
@@ -221,6 +221,11 @@ def table_rows(runs: Sequence[TableRun]):
     return headers, body, 'l' + 'rrrrr' * len(datasets), notes
 
 
+def ninformer_log(output, ds: str, model: str) -> Path:
+    """Where ``vitblocks reproduce ninformer-table1 --jobs N`` writes the output of run ``ds/model``."""
+    return Path(output) / ds / f'{model}.log'
+
+
 def ninformer_rechecks(output: str, datasets: Sequence[str] = ('mnist', 'cifar10'),
                        margin: float = 1.0) -> List[Tuple[str, str, str]]:
     """The Table 1 runs under ``output`` that need an ablation to explain them, as (dataset, model, why):
@@ -231,7 +236,7 @@ def ninformer_rechecks(output: str, datasets: Sequence[str] = ('mnist', 'cifar10
     for ds in datasets:
         for row in _table_rows(ds, None):
             run_dir = Path(output) / ds / row.model
-            results, log = run_dir / 'results.json', Path(output) / ds / f'{row.model}.log'
+            results, log = run_dir / 'results.json', ninformer_log(output, ds, row.model)
             if results.exists():
                 top1 = json.loads(results.read_text())['final']['top1']
                 if row.top1 is not None and top1 < row.top1 - margin:
