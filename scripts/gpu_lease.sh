@@ -131,8 +131,11 @@ if [ -f runs/gpu-t1-rechecks.txt ]; then
   echo "rechecks ($(ls runs/gpu-t1-{fp32,clip}/*/*/results.json 2> /dev/null | wc -l) ablation runs finished):"
   cat runs/gpu-t1-rechecks.txt
 fi
-for f in runs/gpu-t1*/*/*/metrics.csv; do  # Table 1 and its rechecks
-  [ -f "$f" ] && echo "$f $(grep ',val,' "$f" | tail -1)"
+for f in runs/gpu-t1*/*/*/metrics.csv; do  # Table 1 and its rechecks: last test row, ETA, why it stopped
+  [ -f "$f" ] || continue
+  d=${f%/metrics.csv}
+  echo "$f $(grep ',val,' "$f" | tail -1) | $(grep -o 'epoch [0-9.]* .*ETA [0-9:?]*' "$d.log" 2> /dev/null | tail -1)"
+  [ -f "$d/stopped.json" ] && echo "  stopped: $(tr -d '\n' < "$d/stopped.json" | cut -c1-300)"
 done
 tail -3 runs/gpu-t1.log 2> /dev/null
 echo "sweep: $(ls runs/gpu15/*/*.json 2> /dev/null | wc -l) of 80 runs written"

@@ -20,6 +20,7 @@ from vitblocks.data import BatchTransform
 from vitblocks.experiments import engine, load_checkpoint
 from vitblocks.experiments.blocks_benchmark import BENCH_CONFIGS
 from vitblocks.experiments.reproduce import ninformer_config, ninformer_jobs, ninformer_rechecks, select_rows
+from vitblocks.experiments.runlog import read_stop_record, write_stop_record
 from vitblocks.experiments.setup import create_model
 from vitblocks.models.blocks_bench import bench_model_name
 from vitblocks.papers import load_paper
@@ -129,6 +130,25 @@ def test_rechecks_list_diverged_runs_and_rows_more_than_the_margin_below_the_pap
         ('cifar10', 'ninformer_vit_patch4_32', 'below the paper: 80.58 vs 81.59')]
     finished('ninformer_baseline_vit_patch4_32', 66.0)  # resumed and finished: its old log line no longer counts
     assert [m for _, m, _ in ninformer_rechecks(tmp_path, ['cifar10'])] == ['ninformer_vit_patch4_32']
+
+
+def test_rechecks_trust_the_run_folders_stop_record_over_the_log(tmp_path):
+    """``stopped.json`` (written by the trainer) decides; the log text counts only for runs without one."""
+    def stopped(model, reason, log_text='vitblocks reproduce: stopped: loss is nan at steps 1..2\n'):
+        (tmp_path / 'mnist' / model).mkdir(parents=True)
+        (tmp_path / 'mnist' / f'{model}.log').write_text(log_text)
+        if reason:
+            write_stop_record(tmp_path / 'mnist' / model, reason, 'why', global_step=2)
+
+    stopped('ninformer_baseline_vit_patch4_28', 'diverged', log_text='')  # the record alone is enough
+    stopped('ninformer_baseline_mixer_patch4_28', 'interrupted')  # a later attempt was interrupted: not diverged
+    stopped('ninformer_baseline_localvit_patch4_28', 'error')  # e.g. out of memory: not an accuracy question
+    stopped('ninformer_vit_patch4_28', None)  # a run from before the record: its log decides
+    assert ninformer_rechecks(tmp_path, ['mnist']) == [('mnist', 'ninformer_baseline_vit_patch4_28', 'diverged'),
+                                                       ('mnist', 'ninformer_vit_patch4_28', 'diverged')]
+    (tmp_path / 'mnist' / 'ninformer_baseline_vit_patch4_28' / 'stopped.json').write_text('{not json')
+    assert read_stop_record(tmp_path / 'mnist' / 'ninformer_baseline_vit_patch4_28') is None  # log (empty) decides
+    assert [m for _, m, _ in ninformer_rechecks(tmp_path, ['mnist'])] == ['ninformer_vit_patch4_28']
 
 
 @pytest.mark.parametrize('argv, message', [

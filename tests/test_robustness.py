@@ -17,6 +17,7 @@ import vitblocks.cli as cli
 from vitblocks.cli import list_models as list_cmd
 from vitblocks.experiments import CheckpointError, Trainer, load_checkpoint, merge, save_checkpoint
 from vitblocks.experiments.config import ConfigError, load_recipe, parse_overrides
+from vitblocks.experiments.runlog import read_stop_record
 from vitblocks.experiments.setup import load_initial_weights
 from vitblocks.profile import count_macs, fixed_threads, input_size_of
 
@@ -272,6 +273,9 @@ def test_sigterm_saves_and_prints_the_resume_command(data, tmp_path, capsys, mon
     assert f'SIGTERM at step 3: saved {tmp_path / "r" / "last.pth"}; resume with: vitblocks train --resume' in err
     assert load_checkpoint(tmp_path / 'r' / 'last.pth')['global_step'] == 3
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+    stop = read_stop_record(tmp_path / 'r')
+    assert (stop['reason'], stop['signal'], stop['global_step'], stop['checkpoint']) == \
+        ('interrupted', 'SIGTERM', 3, 'last.pth')
 
 
 # --- 10: fine-tuning from weights, exporting a trained checkpoint -----------------------------------------

@@ -30,6 +30,7 @@ from vitblocks.experiments import (CheckpointError, TrainingDiverged, list_recip
                                    load_model_weights, load_recipe, merge, save_checkpoint, train)
 from vitblocks.experiments.config import ConfigError, parse_overrides
 from vitblocks.experiments.engine import Trainer
+from vitblocks.experiments.runlog import read_stop_record
 from vitblocks.experiments.setup import set_cuda_matmul_precision
 from vitblocks.profile import fixed_threads
 
@@ -226,6 +227,24 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
     ckpt = load_checkpoint(tmp_path / 'run' / 'last.pth')
     assert ckpt['global_step'] == 4
     assert all(torch.isfinite(v).all() for v in ckpt['model'].values() if v.is_floating_point())
+    # the run folder says why it stopped (what the lease's rechecks read), and a new attempt clears it
+    stop = read_stop_record(tmp_path / 'run')
+    assert (stop['reason'], stop['global_step'], stop['checkpoint']) == ('diverged', 4, 'last.pth')
+    assert stop['message'] == str(err.value) and not (tmp_path / 'run' / 'results.json').exists()
+    train(cfg, resume=tmp_path / 'run', model=NaNAfter(bad=0))  # resumed: finishes
+    assert read_stop_record(tmp_path / 'run') is None and (tmp_path / 'run' / 'results.json').exists()
+
+
+def test_any_other_error_is_recorded_with_its_type(data, tmp_path, monkeypatch):
+    def out_of_memory(self, batches):
+        raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB\nmore details')
+    monkeypatch.setattr(Trainer, 'accumulate_step', out_of_memory)
+    with pytest.raises(RuntimeError, match='out of memory'):
+        train(tiny_cfg(data, tmp_path))
+    stop = read_stop_record(tmp_path / 'run')
+    assert {k: stop[k] for k in ('reason', 'error', 'message', 'global_step', 'checkpoint')} == {
+        'reason': 'error', 'error': 'RuntimeError', 'message': 'CUDA out of memory. Tried to allocate 2.00 GiB',
+        'global_step': 0, 'checkpoint': None}
 
 
 def test_nan_hint_names_only_remedies_not_in_effect(data, tmp_path):

@@ -33,7 +33,7 @@ from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, in
 from .evaluate import EvalResult, evaluate
 from .interrupt import StopRequest, TrainingInterrupted
 from .resume import auto_resume_checkpoint, load_on_every_rank
-from .runlog import MetricsLog, Progress, remove_stale_temporaries
+from .runlog import STOP_RECORD, MetricsLog, Progress, remove_stale_temporaries, write_stop_record
 from .schedule import build_scheduler, restore_scheduler, scheduler_state
 from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader,
                     open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
@@ -349,17 +349,38 @@ class Trainer:
                                   f'{self.data.train.describe()}; {self.steps_per_epoch} steps/epoch x {cfg.epochs} '
                                   f'epochs, batch {self.global_batch}, {self.data.pipeline} pipeline, {self.device}'
                                   + (f', from step {self.global_step}' if self.global_step else ''))
-        with StopRequest() as self._stop:
-            while self.epoch < cfg.epochs and self.global_step < self.total_steps:
-                final, final_ema = self._run_epoch()
-        if final is None:  # stopped by max_steps right after an evaluation, or resumed at the very end
-            final, final_ema = self._evaluate()
+            (self.run_dir / STOP_RECORD).unlink(missing_ok=True)  # this attempt replaces an earlier one's record
+        try:
+            with StopRequest() as self._stop:
+                while self.epoch < cfg.epochs and self.global_step < self.total_steps:
+                    final, final_ema = self._run_epoch()
+            if final is None:  # stopped by max_steps right after an evaluation, or resumed at the very end
+                final, final_ema = self._evaluate()
+        except Exception as e:
+            if self.dist.is_main:
+                self._record_stop(e)
+            raise
         barrier()
         if self.dist.is_main:
             self._write_results(final, final_ema)
             self.log.close()
         return RunResult(self.run_dir, final, final_ema, self.best_top1, self.global_step,
                          self.global_step / self.steps_per_epoch, self._elapsed())
+
+    def _record_stop(self, error: Exception) -> None:
+        """Write ``stopped.json``: why this run stopped, where, and which checkpoint it can go on from."""
+        reason = {TrainingDiverged: 'diverged', TrainingInterrupted: 'interrupted'}.get(type(error), 'error')
+        last = self.run_dir / 'last.pth'
+        fields = {'global_step': self.global_step, 'epoch': round(self._epoch_float(), 4),
+                  'checkpoint': last.name if last.exists() else None}
+        if reason == 'interrupted':
+            fields['signal'] = error.signal_name
+        elif reason == 'error':
+            fields['error'] = type(error).__name__
+        try:
+            write_stop_record(self.run_dir, reason, str(error).splitlines()[0][:2000] if str(error) else '', **fields)
+        except OSError:  # a full disk must not hide the error that stopped the run
+            pass
 
     def _run_epoch(self):
         cfg = self.cfg

@@ -23,6 +23,7 @@ from ..papers import load_paper
 from ..profile import count_params
 from .config import RESUME_CHANGEABLE, TrainConfig, load_config, load_recipe, merge
 from .engine import train
+from .runlog import read_stop_record
 from .setup import create_model
 
 __all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'ninformer_config', 'ninformer_jobs',
@@ -229,9 +230,10 @@ def ninformer_log(output, ds: str, model: str) -> Path:
 def ninformer_rechecks(output: str, datasets: Sequence[str] = ('mnist', 'cifar10'),
                        margin: float = 1.0) -> List[Tuple[str, str, str]]:
     """The Table 1 runs under ``output`` that need an ablation to explain them, as (dataset, model, why):
-    those that stopped on a non-finite loss (their ``<model>.log`` says so and no ``results.json`` was
-    written) and those that finished more than ``margin`` points below the paper. Runs not there, or
-    still going, are not listed."""
+    those that stopped on a non-finite loss (no ``results.json``, and their ``stopped.json`` says
+    'diverged', or, for runs made before runs kept that record, their ``<model>.log`` says
+    ``stopped: loss is``) and those that finished more than ``margin`` points below the paper. Runs not
+    there, still going, or stopped for another reason (interrupted, an error) are not listed."""
     out = []
     for ds in datasets:
         for row in _table_rows(ds, None):
@@ -241,6 +243,13 @@ def ninformer_rechecks(output: str, datasets: Sequence[str] = ('mnist', 'cifar10
                 top1 = json.loads(results.read_text())['final']['top1']
                 if row.top1 is not None and top1 < row.top1 - margin:
                     out.append((ds, row.model, f'below the paper: {top1:.2f} vs {row.top1:.2f}'))
-            elif log.exists() and 'stopped: loss is ' in log.read_text(errors='replace'):
+            elif _diverged(run_dir, log):
                 out.append((ds, row.model, 'diverged'))
     return out
+
+
+def _diverged(run_dir: Path, log: Path) -> bool:
+    stop = read_stop_record(run_dir)
+    if stop is not None:
+        return stop['reason'] == 'diverged'
+    return log.exists() and 'stopped: loss is ' in log.read_text(errors='replace')

@@ -1,5 +1,6 @@
 """What a run writes besides checkpoints: metrics.csv, TensorBoard events, progress on the terminal."""
 import csv
+import json
 import math
 import os
 import sys
@@ -7,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-__all__ = ['MetricsLog', 'Progress', 'read_metrics', 'remove_stale_temporaries', 'METRIC_COLUMNS']
+__all__ = ['MetricsLog', 'Progress', 'read_metrics', 'remove_stale_temporaries', 'METRIC_COLUMNS', 'write_stop_record',
+           'read_stop_record', 'STOP_RECORD']
 
 # one row per log interval (split=train) and per evaluation (split=val / val_ema)
 METRIC_COLUMNS = ['step', 'epoch', 'split', 'loss', 'top1', 'top5', 'lr', 'images_per_s', 'elapsed_s']
@@ -78,6 +80,29 @@ def remove_stale_temporaries(run_dir: Path) -> List[Path]:
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
+
+
+STOP_RECORD = 'stopped.json'
+
+
+def write_stop_record(run_dir: Path, reason: str, message: str, **fields) -> None:
+    """Record in ``run_dir/stopped.json`` why a run stopped before its end: ``reason`` is 'diverged'
+    (non-finite loss), 'interrupted' (SIGINT/SIGTERM, ``last.pth`` saved at that step) or 'error' (any
+    other exception). Written atomically; a run that starts or resumes in the folder removes it, so it
+    describes the last attempt only, and a finished run (``results.json``) has none."""
+    record = {'reason': reason, 'message': message, 'time': time.strftime('%Y-%m-%dT%H:%M:%S%z'), **fields}
+    tmp = run_dir / (STOP_RECORD + '.tmp')
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, run_dir / STOP_RECORD)
+
+
+def read_stop_record(run_dir: Path) -> Optional[Dict]:
+    """The stop record of ``run_dir`` (see ``write_stop_record``), or None if it has none or it is unreadable."""
+    try:
+        record = json.loads((Path(run_dir) / STOP_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and 'reason' in record else None
 
 
 def read_metrics(path: Path) -> List[Dict[str, str]]:
