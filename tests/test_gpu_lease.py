@@ -67,6 +67,9 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     fp32 = yaml.safe_load((tmp_path / 'runs/gpu-t1-fp32/mnist/ninformer_vit_patch4_28/config.yaml').read_text())
     assert fp32['matmul_precision'] == 'highest' and 'rechecks: 8 row(s) rerun' in log
     assert 'rechecks (8 ablation runs finished):' in second.stdout
+    # each run's progress line (its last test row), and no stop record: none stopped early
+    assert 'runs/gpu-t1/cifar10/ninformer_vit_patch4_32/metrics.csv 1,' in second.stdout
+    assert '  stopped: ' not in second.stdout
     with tarfile.open(tmp_path / 'out/gpu15.tgz') as tar:
         assert 'runs/gpu15/fp32-eager-b1/deit_tiny.json' in tar.getnames()
     with tarfile.open(tmp_path / 'out/profile15.tgz') as tar:
