@@ -3,8 +3,9 @@
     python scripts/table1_rechecks.py runs/gpu-t1 [--margin 1.0]
 
 Listed: runs that stopped on a non-finite loss ("diverged": their stopped.json says so, or, for runs
-made before that record, their log) and finished runs more than --margin points below the paper. scripts/gpu_lease.sh reruns each in full fp32 (TF32 off) and each diverged one also
-with gradient clipping, so a row that misses the paper comes back with the evidence issue 10 asks for.
+made before that record, their log) and finished runs more than --margin points below the paper.
+scripts/gpu_lease.sh reruns each in full fp32 (TF32 off) and each diverged one also with gradient
+clipping, so a row that misses the paper comes back with the evidence issue 10 asks for.
 """
 import argparse
 from pathlib import Path

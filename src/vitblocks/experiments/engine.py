@@ -6,7 +6,6 @@ augmentation are functions of (seed, epoch, step) (see ``vitblocks.data.loader``
 killed at any point and resumed from its last checkpoint retraces the uninterrupted run
 exactly on CPU (GPU kernels may add their own non-determinism).
 """
-import json
 import math
 import os
 import random
@@ -33,7 +32,7 @@ from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, in
 from .evaluate import EvalResult, evaluate
 from .interrupt import StopRequest, TrainingInterrupted
 from .resume import auto_resume_checkpoint, load_on_every_rank
-from .runlog import STOP_RECORD, MetricsLog, Progress, remove_stale_temporaries, write_stop_record
+from .runlog import STOP_RECORD, MetricsLog, Progress, remove_stale_temporaries, write_json, write_stop_record
 from .schedule import build_scheduler, restore_scheduler, scheduler_state
 from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader,
                     open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
@@ -378,7 +377,7 @@ class Trainer:
         elif reason == 'error':
             fields['error'] = type(error).__name__
         try:
-            write_stop_record(self.run_dir, reason, str(error).splitlines()[0][:2000] if str(error) else '', **fields)
+            write_stop_record(self.run_dir, reason, (str(error).splitlines() or [''])[0][:2000], **fields)
         except OSError:  # a full disk must not hide the error that stopped the run
             pass
 
@@ -497,9 +496,7 @@ class Trainer:
                'epochs': self.global_step / self.steps_per_epoch, 'seconds': self._elapsed(),
                'best_top1': self.best_top1, 'classes': list(self.data.train.classes),
                'final': final.to_dict() if final else None, 'final_ema': final_ema.to_dict() if final_ema else None}
-        tmp = self.run_dir / 'results.json.tmp'
-        tmp.write_text(json.dumps(out, indent=1))
-        tmp.replace(self.run_dir / 'results.json')
+        write_json(self.run_dir / 'results.json', out)
 
 
 def _num_outputs(model: nn.Module, cfg: TrainConfig) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 __all__ = ['MetricsLog', 'Progress', 'read_metrics', 'remove_stale_temporaries', 'METRIC_COLUMNS', 'write_stop_record',
-           'read_stop_record', 'STOP_RECORD']
+           'read_stop_record', 'write_json', 'STOP_RECORD']
 
 # one row per log interval (split=train) and per evaluation (split=val / val_ema)
 METRIC_COLUMNS = ['step', 'epoch', 'split', 'loss', 'top1', 'top5', 'lr', 'images_per_s', 'elapsed_s']
@@ -91,9 +91,15 @@ def write_stop_record(run_dir: Path, reason: str, message: str, **fields) -> Non
     other exception). Written atomically; a run that starts or resumes in the folder removes it, so it
     describes the last attempt only, and a finished run (``results.json``) has none."""
     record = {'reason': reason, 'message': message, 'time': time.strftime('%Y-%m-%dT%H:%M:%S%z'), **fields}
-    tmp = run_dir / (STOP_RECORD + '.tmp')
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, run_dir / STOP_RECORD)
+    write_json(run_dir / STOP_RECORD, record)
+
+
+def write_json(path: Path, obj) -> None:
+    """Write ``obj`` as JSON through ``<path>.tmp`` and a rename, so a reader never sees half a file
+    (a killed write leaves only the ``.json.tmp`` that ``remove_stale_temporaries`` deletes)."""
+    tmp = path.with_name(path.name + '.tmp')
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 
 
 def read_stop_record(run_dir: Path) -> Optional[Dict]:
