@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything still owed to a GPU, in priority order, as ONE background job on the GPU machine:
 #   1. issue 10, NiNformer Table 1: 8 runs at once (100 epochs, `ninformer` recipe, fp32 with TF32
-#      matmuls, compiled with CUDA graphs)                                        -> runs/gpu-t1
+#      matmuls, compiled with CUDA graphs), as many as fit in T1_TIME_LIMIT       -> runs/gpu-t1
 #      then each row that diverged or missed the paper by more than a point, in full fp32, and each
 #      diverged one also with clip_grad=1.0 (scripts/table1_rechecks.py)  -> runs/gpu-t1-{fp32,clip}
 #   2. issue 15, the check of docs/gpu_speed.md's IFFN/AFBO hypothesis (scripts/gpu_profile15.py)
@@ -33,24 +33,37 @@ export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/.inductor
 python=${PYTHON:-python3}
 t1_flags=${T1_FLAGS:-"--device cuda --data-root .gpu_data --threads 2 --set compile=true compile_mode=reduce-overhead \
 deterministic=false matmul_precision=high progress=log log_interval=200"}
+# Table 1 and its rechecks must end inside the lease (their checkpoints cannot leave the machine): the
+# runs that fit in T1_TIME_LIMIT seconds from the job's start finish, those projected to miss it are paused
+# (reproduce --time-limit), and the rechecks run only if RECHECK_MIN seconds are left. 1560 s: a 1800 s lease
+# less the start of the first call, the device tool's transfers and the last call's packing
+t1_limit=${T1_TIME_LIMIT:-1560}
+recheck_min=${RECHECK_MIN:-300}
 sweep_flags=${SWEEP_FLAGS:-"--device cuda"}
 profile_flags=${PROFILE_FLAGS:-"--device cuda"}
 profile_models=${PROFILE_MODELS:-"iffn_deit_small_patch16_224 iffn_deit_small_patch16_224:bf16 afbo_poolformer_s12"}
 
 job() {  # the background job: each step in turn, whatever the one before it left
+  t1_end=$(( $(date +%s) + t1_limit ))
   $python -m vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --jobs 8 --output runs/gpu-t1 \
-    $t1_flags >> runs/gpu-t1.log 2>&1
+    --time-limit "$t1_limit" $t1_flags >> runs/gpu-t1.log 2>&1
   echo "$(date -u +%T) table1 exit $?" >> runs/lease.log
   # 1b. each row that diverged or ended more than a point below the paper, again in full fp32 (TF32 off),
-  # and each diverged one also with gradient clipping: all at once, each to its own log
+  # and each diverged one also with gradient clipping: all at once, each to its own log, inside what is
+  # left of Table 1's time limit (a recheck that cannot finish pauses and leaves the GPU to the rest)
   $python scripts/table1_rechecks.py runs/gpu-t1 > runs/gpu-t1-rechecks.txt 2>> runs/lease.log
+  left=$(( t1_end - $(date +%s) ))
+  if [ "$left" -lt "$recheck_min" ]; then
+    echo "$(date -u +%T) rechecks: $(wc -l < runs/gpu-t1-rechecks.txt) row(s) listed, not rerun: ${left} s left" >> runs/lease.log
+    : > runs/gpu-t1-rechecks.txt
+  fi
   while read -r ds model why; do
     for ablation in "fp32 matmul_precision=highest" "clip clip_grad=1.0"; do
       set -- $ablation
       [ "$1" = clip ] && [ "$why" != diverged ] && continue
       mkdir -p "runs/gpu-t1-$1/$ds"
       $python -m vitblocks reproduce ninformer-table1 --datasets "$ds" --models "$model" --output "runs/gpu-t1-$1" \
-        $t1_flags "$2" >> "runs/gpu-t1-$1/$ds/$model.log" 2>&1 < /dev/null &
+        --time-limit "$left" $t1_flags "$2" >> "runs/gpu-t1-$1/$ds/$model.log" 2>&1 < /dev/null &
     done
   done < runs/gpu-t1-rechecks.txt
   wait
@@ -137,6 +150,7 @@ for f in runs/gpu-t1*/*/*/metrics.csv; do  # Table 1 and its rechecks: last test
   echo "$f $(grep ',val,' "$f" | tail -1) | $(grep -o 'epoch [0-9.]* .*ETA [0-9:?]*' "$d.log" 2> /dev/null | tail -1)"
   [ -f "$d/stopped.json" ] && echo "  stopped: $(tr -d '\n' < "$d/stopped.json" | cut -c1-300)"
 done
+grep -h '^pausing\|^paused\|^resumed' runs/gpu-t1.log 2> /dev/null  # what --time-limit did
 tail -3 runs/gpu-t1.log 2> /dev/null
 echo "sweep: $(ls runs/gpu15/*/*.json 2> /dev/null | wc -l) of 80 runs written"
 tail -4 runs/gpu15.log 2> /dev/null

@@ -16,7 +16,7 @@ from ..experiments.setup import create_model
 from ..models import get_variant, list_models, resolve_model_name, swap_ffn
 
 __all__ = ['CliError', 'ArgumentParser', 'resolve', 'is_vitblocks_model', 'build_model', 'describe_model',
-           'format_cfg', 'parse_block_cfg', 'positive_int', 'non_negative_int', 'render_table', 'progress',
+           'format_cfg', 'parse_block_cfg', 'positive_int', 'positive_float', 'non_negative_int', 'render_table', 'progress',
            'end_progress', 'check_writable_dir', 'check_writable_file', 'add_model_size_args', 'model_size_kwargs',
            'load_trained_model']
 
@@ -44,6 +44,16 @@ def _int_at_least(text: str, low: int) -> int:
 
 def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float('inf'):
+        raise argparse.ArgumentTypeError(f'expected a number > 0, got {text!r}')
+    return value
 
 
 def non_negative_int(text: str) -> int:

@@ -1,20 +1,19 @@
 """`vitblocks reproduce ninformer-table1 | cifar10-blocks`: train a table's models, print ours (vs the paper)."""
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ..data import DataError
-from ..experiments import CheckpointError, ConfigError, TrainingDiverged, parse_overrides
+from ..experiments import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, parse_overrides
 from ..experiments import blocks_benchmark as bench
 from ..experiments.plots import TradeoffPoint, plot_curves, plot_tradeoff
 from ..experiments.config import load_recipe
+from ..experiments.jobs import Job, run_jobs
 from ..experiments.reproduce import (NINFORMER_DATASETS, ninformer_data, ninformer_jobs, ninformer_log,
                                       ninformer_table1, table_rows)
-from .common import CliError, positive_int, render_table
+from .common import CliError, positive_float, positive_int, render_table
 
 NAME = 'reproduce'
 TARGETS = ('ninformer-table1', 'cifar10-blocks')
@@ -28,6 +27,7 @@ examples:
   vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --epochs 1 --device cuda
   vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --set compile=true compile_mode=reduce-overhead
   vitblocks reproduce cifar10-blocks --device cuda --jobs 27 --set compile=true compile_mode=reduce-overhead
+  vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --time-limit 1500   # a 30-minute GPU lease
   vitblocks reproduce cifar10-blocks --configs vanilla,repa --seeds 0 --max-steps 20 --threads 2
 
 ninformer-table1: NiNformer's Table 1 (ViT, MlpMixer, LocalViT, NiNformer; --models takes row
@@ -42,6 +42,8 @@ Accuracy is top-1 on the un-augmented test split. Runs go to --output/<dataset>/
 --output/<config>/seed<k>; finished runs are reused (results.json alone suffices) and interrupted ones
 resumed from last.pth, so re-running continues where it stopped. --jobs N trains N runs at once, each
 in its own process logging next to its run folder (small models leave a GPU mostly idle).
+--time-limit S finishes as many runs as fit in S seconds: runs projected to end later are paused
+(checkpoint kept), the one furthest from its end first, and resume when time frees or on a re-run.
 """
 
 
@@ -75,6 +77,12 @@ def add_parser(subparsers) -> None:
     p.add_argument('--jobs', type=positive_int, default=1,
                    help='train this many runs at once, each in its own process (small models leave a GPU '
                         'mostly idle: several runs share it well); each logs next to its run folder')
+    p.add_argument('--time-limit', type=positive_float, metavar='SECONDS',
+                   help='with --jobs: finish as many runs as fit in SECONDS of wall time. A run projected (from '
+                        'its pace) to end later is paused, longest first, so the others finish sooner on the '
+                        'device they share; it keeps its checkpoint and resumes if a finished run frees time, '
+                        'or when the command is re-run. For machines whose disk does not outlive them (a GPU '
+                        'lease, a preemptible node)')
     p.add_argument('--set', nargs='+', default=[], metavar='KEY=VALUE', dest='overrides',
                    help='extra config overrides for every run, e.g. --set log_interval=10 progress=log')
     p.set_defaults(run=run)
@@ -97,6 +105,9 @@ def run(args) -> int:
     except TrainingDiverged as e:
         print(f'vitblocks reproduce: stopped: {e}', file=sys.stderr)
         return 1
+    except TrainingInterrupted as e:  # SIGINT/SIGTERM, e.g. from a parent's --time-limit: checkpoint saved
+        print(f'vitblocks reproduce: stopped by {e}', file=sys.stderr)
+        return 130
 
 
 def _budget_flags(args):
@@ -144,10 +155,10 @@ def _ninformer(args) -> int:
     jobs = ninformer_jobs(datasets, models)  # every --models name must match a row, before anything trains
     for ds in datasets:  # and every dataset must be there
         ninformer_data(ds, args.data_root)
-    if args.jobs > 1:
-        children = [(f'{ds}/{model}', _ninformer_child(args, ds, model, dropout), ninformer_log(args.output, ds, model))
-                    for ds, model in jobs]
-        if _report_failed(_run_jobs(children, args.jobs, args.threads)):
+    if args.jobs > 1 or args.time_limit:  # runs in child processes
+        children = [Job(f'{ds}/{model}', _ninformer_child(args, ds, model, dropout), ninformer_log(args.output, ds, model),
+                        Path(args.output) / ds / model) for ds, model in jobs]
+        if _report_unfinished(_run_children(args, children)):
             return 1
     runs = ninformer_table1(datasets, epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,
                             test_subset=args.test_subset, device=args.device, data_root=args.data_root,
@@ -179,10 +190,10 @@ def _blocks(args) -> int:
         raise CliError(f'--seeds {args.seeds}: expected distinct integers >= 0, e.g. 0,1,2')
     bench.bench_data(args.data_root)  # fails before anything trains
     t0 = time.perf_counter()
-    if args.jobs > 1:
-        children = [(f'{c}/seed{s}', _blocks_child(args, c, s), Path(args.output) / c / f'seed{s}.log')
-                    for c in configs for s in seeds]
-        if _report_failed(_run_jobs(children, args.jobs, args.threads)):
+    if args.jobs > 1 or args.time_limit:  # runs in child processes
+        children = [Job(f'{c}/seed{s}', _blocks_child(args, c, s), Path(args.output) / c / f'seed{s}.log',
+                        Path(args.output) / c / f'seed{s}') for c in configs for s in seeds]
+        if _report_unfinished(_run_children(args, children)):
             return 1
     runs = bench.run_benchmark(configs, seeds, args.data_root, args.output, epochs=args.epochs,
                                max_steps=args.max_steps, train_subset=args.train_subset, test_subset=args.test_subset,
@@ -225,41 +236,19 @@ def _blocks_outputs(args, runs, summaries) -> None:
 
 # --- parallel runs ------------------------------------------------------------------------------------
 
-def _report_failed(failed) -> bool:
-    for log in failed:
-        print(f'vitblocks reproduce: run failed, see {log}', file=sys.stderr)
-    return bool(failed)
+def _run_children(args, children):
+    threads = args.threads or max(1, (os.cpu_count() or 1) // min(args.jobs, len(children)))
+    return run_jobs(children, args.jobs, threads, time_limit=args.time_limit,
+                    echo=lambda line: print(line, flush=True))
 
 
-def _run_jobs(jobs, parallel: int, threads=None):
-    """Run ``jobs`` ((name, argv, log path)) as child processes, ``parallel`` at once, each with ``--threads``
-    (given, else the CPU cores shared out); returns the logs of the runs that failed. Finished runs are then
-    reused by the caller's table pass."""
-    threads = threads or max(1, (os.cpu_count() or 1) // min(parallel, len(jobs)))
-    pending, running, failed = list(jobs), [], []
-    try:
-        while pending or running:
-            while pending and len(running) < parallel:
-                name, argv, log = pending.pop(0)
-                log.parent.mkdir(parents=True, exist_ok=True)
-                with open(log, 'a') as f:  # appended: a resumed run keeps the log of its first part
-                    proc = subprocess.Popen(argv + ['--threads', str(threads)], stdout=f, stderr=subprocess.STDOUT)
-                running.append((proc, name, log))
-                print(f'started {name} (log {log})', flush=True)
-            time.sleep(1.0)
-            for job in list(running):
-                proc, name, log = job
-                if proc.poll() is not None:
-                    running.remove(job)
-                    print(f'finished {name}: exit {proc.returncode}', flush=True)
-                    if proc.returncode != 0:
-                        failed.append(log)
-    finally:  # interrupted: stop the children too (each keeps its last checkpoint; re-running resumes)
-        for proc, _, _ in running:
-            proc.send_signal(signal.SIGINT)
-        for proc, _, _ in running:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    return failed
+def _report_unfinished(report) -> bool:
+    """Say which runs did not finish and why; True if any did not."""
+    for job in report.failed:
+        print(f'vitblocks reproduce: run failed, see {job.log}', file=sys.stderr)
+    if report.paused or report.not_started:
+        names = ', '.join(j.name for j in report.paused + report.not_started)
+        print(f'vitblocks reproduce: {len(report.paused) + len(report.not_started)} run(s) not finished within '
+              f'--time-limit: {names}; re-run the command to resume them (paused ones from their checkpoints)',
+              file=sys.stderr)
+    return bool(report.failed or report.paused or report.not_started)

@@ -1,0 +1,183 @@
+"""`run_jobs` and `reproduce --time-limit`: runs in child processes, paused so that as many as fit finish.
+
+The scheduler tests use stand-in runs (``FAKE_RUN`` below): processes that write ``metrics.csv`` rows
+like a training run, share one "device" (each step takes ``step_s`` times the number of stand-ins
+going, as runs sharing a GPU do), save a checkpoint and exit 130 on SIGINT, and resume from it.
+"""
+import json
+import sys
+import textwrap
+import threading
+
+import pytest
+import yaml
+
+from vitblocks.cli import main
+from vitblocks.experiments.checkpoint import load_checkpoint
+from vitblocks.experiments.jobs import (Job, remaining_seconds, run_jobs, run_to_pause, shared_finish,
+                                       time_limit_window)
+
+FAKE_RUN = textwrap.dedent('''
+    import os, signal, sys, time
+    from pathlib import Path
+    run_dir, total, step_s, share = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / 'config.yaml').write_text('epochs: 1\\nmax_steps: null\\n')
+    step, elapsed = map(float, (run_dir / 'last.txt').read_text().split()) if (run_dir / 'last.txt').exists() else (0, 0.0)
+    step = int(step)
+    metrics = run_dir / 'metrics.csv'
+    if not metrics.exists():
+        metrics.write_text('step,epoch,split,loss,top1,top5,lr,images_per_s,elapsed_s\\n')
+    stop = []
+    signal.signal(signal.SIGINT, lambda *a: stop.append(1))
+    me = share / str(os.getpid())
+    me.touch()
+    t0 = time.monotonic() - elapsed
+    while step < total:
+        time.sleep(step_s * len(list(share.iterdir())))  # the device is shared by every stand-in going
+        step += 1
+        with open(metrics, 'a') as f:
+            f.write(f'{step},{step / total:.4f},train,1.0,,,0.001,1.0,{time.monotonic() - t0:.4f}\\n')
+        if stop:
+            (run_dir / 'last.txt').write_text(f'{step} {time.monotonic() - t0}')
+            me.unlink()
+            sys.exit(130)
+    (run_dir / 'results.json').write_text('{}')
+    me.unlink()
+''')
+
+
+@pytest.fixture
+def fake_jobs(tmp_path):
+    script, share = tmp_path / 'fake_run.py', tmp_path / 'device'
+    script.write_text(FAKE_RUN)
+    share.mkdir()
+
+    def make(*steps, step_s=0.03):
+        return [Job(f'run{i}', [sys.executable, str(script), str(tmp_path / f'run{i}'), str(n), str(step_s), str(share)],
+                    tmp_path / f'run{i}.log', tmp_path / f'run{i}') for i, n in enumerate(steps)]
+    return make
+
+
+def write_metrics(run_dir, rows, epochs=10, max_steps=None):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / 'config.yaml').write_text(yaml.safe_dump({'epochs': epochs, 'max_steps': max_steps}))
+    lines = ['step,epoch,split,loss,top1,top5,lr,images_per_s,elapsed_s']
+    lines += [f'{s},{s / 100:.4f},{split},1.0,,,,,{t}' for s, split, t in rows]
+    (run_dir / 'metrics.csv').write_text('\n'.join(lines) + '\n')
+
+
+def test_remaining_seconds_is_the_steps_left_at_the_pace_of_the_last_window(tmp_path):
+    run = tmp_path / 'run'
+    # 100 steps per epoch, 10 epochs: 1000 steps. 10 steps/s for the first 20 s, then 20 steps/s (the run
+    # beside it finished); the evaluation rows (split val) count like any other
+    rows = [(10 * t, 'train', t) for t in range(1, 21)] + [(200 + 20 * t, 'train', 20 + t) for t in range(1, 16)]
+    rows.append((500, 'val', 35.0))
+    write_metrics(run, rows)
+    assert remaining_seconds(run, window=10) == pytest.approx(500 / 20)
+    assert remaining_seconds(run, window=30) == pytest.approx(500 / (450 / 30))  # steps 50 -> 500 in 30 s
+    assert remaining_seconds(run, window=40) is None  # 35 s of rows only
+    # only this attempt's rows: resumed from step 300, the pace before it does not count
+    assert remaining_seconds(run, after_step=300, window=8) == pytest.approx(25.0)
+    assert remaining_seconds(run, after_step=300, window=10) is None  # 9 s of rows after step 300
+    write_metrics(run, rows, max_steps=600)  # a step budget ends it earlier
+    assert remaining_seconds(run, window=10) == pytest.approx(100 / 20)
+    write_metrics(run, rows, epochs=5)
+    assert remaining_seconds(run, window=10) == 0  # at step 500 of 500
+    (run / 'metrics.csv').write_text((run / 'metrics.csv').read_text() + '510,5.1')  # a row being written
+    assert remaining_seconds(run, window=10) == 0
+    assert remaining_seconds(tmp_path / 'none', window=10) is None
+
+
+def test_run_to_pause_is_the_run_furthest_from_its_end_once_the_runs_would_miss_the_limit():
+    # projections at the pace of all of them going: on a shared device the last ends after the sum of
+    # their times alone (100/2 + 300/2 = 200 s)
+    assert shared_finish({'a': 100.0, 'b': 300.0}, 2) == 200
+    assert run_to_pause({'a': 100.0, 'b': 300.0}, 400.0) is None
+    assert run_to_pause({'a': 100.0, 'b': 300.0, 'c': 900.0}, 400.0) == 'c'  # 433 s
+    assert run_to_pause({'a': 500.0, 'b': 300.0}, 400.0) is None  # b ends at 300 s, a then alone at 400 s
+    assert run_to_pause({'a': 500.0, 'b': 300.0}, 390.0) == 'a'
+    assert run_to_pause({'a': None, 'b': 300.0}, 400.0) is None  # no pace yet: not judged
+    assert run_to_pause({'a': None, 'b': 900.0}, 400.0) == 'b'
+    assert run_to_pause({}, 400.0) is None
+    assert time_limit_window(1560) == 60 and time_limit_window(100) == 5 and time_limit_window(10) == 1
+
+
+def test_time_limit_pauses_the_longest_run_so_that_the_others_finish(fake_jobs):
+    jobs = fake_jobs(50, 100, 400)  # 1.5 s, 3 s and 12 s of device time alone: 16.5 s in all
+    lines = []
+    report = run_jobs(jobs, parallel=3, threads=1, time_limit=6, window=0.5, poll=0.05, echo=lines.append)
+    assert [j.name for j in report.paused] == ['run2'] and not report.failed and not report.not_started, lines
+    assert (jobs[0].run_dir / 'results.json').exists() and (jobs[1].run_dir / 'results.json').exists()
+    step, _ = (jobs[2].run_dir / 'last.txt').read_text().split()
+    assert 0 < int(step) < 400 and not (jobs[2].run_dir / 'results.json').exists()  # its checkpoint is kept
+    assert any(l.startswith('pausing run2: the 3 runs going are projected to need') for l in lines), lines
+    assert 'paused run2' in lines and not any(l.startswith('resumed') for l in lines)  # 12 s never fit
+    assert [l for l in lines if l.startswith('finished')] == ['finished run0: exit 0', 'finished run1: exit 0']
+
+
+def test_a_paused_run_resumes_when_the_runs_going_end_sooner_than_projected(fake_jobs, tmp_path):
+    # another tenant (4 more users of the device) slows both runs 3x for the first 2.5 s: the long run is
+    # paused; then the tenant leaves, the short run ends early, and the long one fits again
+    tenant = [tmp_path / 'device' / f'tenant{i}' for i in range(4)]
+    for t in tenant:
+        t.touch()
+    threading.Timer(2.5, lambda: [t.unlink() for t in tenant]).start()
+    jobs = fake_jobs(100, 120)  # 3 s and 3.6 s alone
+    lines = []
+    report = run_jobs(jobs, parallel=2, threads=1, time_limit=17.5, window=0.5, poll=0.05, echo=lines.append)
+    assert not (report.paused or report.failed or report.not_started), lines
+    assert [l.split(' (')[0] for l in lines if l.startswith(('started', 'resumed', 'paused', 'finished'))] == [
+        'started run0', 'started run1', 'paused run1', 'finished run0: exit 0', 'resumed run1',
+        'finished run1: exit 0'], lines
+    steps = [int(l.split(',')[0]) for l in (jobs[1].run_dir / 'metrics.csv').read_text().splitlines()[1:]]
+    assert steps == list(range(1, 121))  # resumed from its checkpoint, not started over
+
+
+def test_at_the_limit_the_runs_going_are_paused_and_the_rest_not_started(fake_jobs):
+    jobs = fake_jobs(1000, 10)
+    lines = []
+    report = run_jobs(jobs, parallel=1, threads=1, time_limit=1.5, window=30, poll=0.05, echo=lines.append)
+    assert [j.name for j in report.paused] == ['run0'] and [j.name for j in report.not_started] == ['run1']
+    assert any(l.startswith('pausing run0: the time limit (1.5 s) is reached') for l in lines), lines
+    assert not jobs[1].run_dir.exists()
+    # without a limit, the same call runs everything (the paused run from its checkpoint)
+    report = run_jobs(fake_jobs(60, 10), parallel=2, threads=1, poll=0.05, echo=lines.append)
+    assert not (report.paused or report.failed or report.not_started)
+
+
+def test_reproduce_time_limit_pauses_a_run_that_cannot_finish_and_a_rerun_resumes_it(tmp_path, capsys):
+    from _train_helpers import write_shards
+    root = tmp_path / 'data'
+    write_shards(root / 'mnist', 'train', n=64, per_shard=64, size=28, channels=1, num_classes=10)
+    write_shards(root / 'mnist', 'test', n=16, per_shard=16, size=28, channels=1, num_classes=10, seed=1)
+    argv = ['reproduce', 'ninformer-table1', '--datasets', 'mnist', '--models', 'MlpMixer', '--max-steps', 100000,
+            '--threads', 1, '--data-root', root, '--output', tmp_path / 'out', '--time-limit', 30,
+            '--set', 'batch_size=4', 'log_interval=1', 'eval_interval=1000', 'progress=none', 'tensorboard=false']
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 1 and "not finished within --time-limit: mnist/ninformer_baseline_mixer_patch4_28" in err, out + err
+    assert 'pausing mnist/ninformer_baseline_mixer_patch4_28: the 1 runs going are projected to need' in out, out
+    run_dir = tmp_path / 'out' / 'mnist' / 'ninformer_baseline_mixer_patch4_28'
+    step = load_checkpoint(run_dir / 'last.pth')['global_step']
+    stop = json.loads((run_dir / 'stopped.json').read_text())
+    assert (stop['reason'], stop['signal'], stop['global_step']) == ('interrupted', 'SIGINT', step) and step > 0
+    assert 'vitblocks reproduce: stopped by SIGINT' in (run_dir.parent / 'ninformer_baseline_mixer_patch4_28.log').read_text()
+    # re-run on a budget it can finish: it resumes from the checkpoint
+    argv[argv.index('--max-steps') + 1] = step + 2
+    del argv[argv.index('--time-limit'):argv.index('--time-limit') + 2]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert json.loads((run_dir / 'results.json').read_text())['global_step'] == step + 2
+    assert not (run_dir / 'stopped.json').exists()
+
+
+@pytest.mark.parametrize('value', ['0', '-5', 'nan', 'inf', 'soon'])
+def test_time_limit_must_be_a_positive_number_of_seconds(value, capsys):
+    code, _, err = run_cli(capsys, 'reproduce', 'ninformer-table1', '--time-limit', value)
+    assert code == 2 and f"--time-limit: expected a number > 0, got '{value}'" in err
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
