@@ -47,7 +47,8 @@ job() {  # the background job: each step in turn, whatever the one before it lef
   t1_end=$(( $(date +%s) + t1_limit ))
   $python -m vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --jobs 8 --output runs/gpu-t1 \
     --time-limit "$t1_limit" $t1_flags >> runs/gpu-t1.log 2>&1
-  echo "$(date -u +%T) table1 exit $?" >> runs/lease.log
+  rc=$?  # (a command substitution in the echo below would reset $?)
+  echo "$(date -u +%T) table1 exit $rc" >> runs/lease.log
   # 1b. each row that diverged or ended more than a point below the paper, again in full fp32 (TF32 off),
   # and each diverged one also with gradient clipping: all at once, each to its own log, inside what is
   # left of Table 1's time limit (a recheck that cannot finish pauses and leaves the GPU to the rest)
@@ -74,7 +75,8 @@ job() {  # the background job: each step in turn, whatever the one before it lef
     [ "$spec" != "$model" ] && amp=(--amp "${spec#*:}") && name=$model-${spec#*:}
     [ -s runs/profile15/$name.txt ] || \
       $python scripts/gpu_profile15.py "$model" "${amp[@]}" $profile_flags > runs/profile15/$name.txt 2>&1
-    echo "$(date -u +%T) profile $name exit $?" >> runs/lease.log
+    rc=$?
+    echo "$(date -u +%T) profile $name exit $rc" >> runs/lease.log
   done
   $python scripts/gpu_issue15.py --out runs/gpu15 $sweep_flags >> runs/gpu15.log 2>&1
   rc=$?
@@ -150,8 +152,8 @@ for f in runs/gpu-t1*/*/*/metrics.csv; do  # Table 1 and its rechecks: last test
   echo "$f $(grep ',val,' "$f" | tail -1) | $(grep -o 'epoch [0-9.]* .*ETA [0-9:?]*' "$d.log" 2> /dev/null | tail -1)"
   [ -f "$d/stopped.json" ] && echo "  stopped: $(tr -d '\n' < "$d/stopped.json" | cut -c1-300)"
 done
-grep -h '^pausing\|^paused\|^resumed' runs/gpu-t1.log 2> /dev/null  # what --time-limit did
-tail -3 runs/gpu-t1.log 2> /dev/null
+grep -h '^pausing\|^paused\|^resumed\|^killed' runs/gpu-t1.log 2> /dev/null  # what --time-limit did
+tail -1 runs/gpu-t1.log 2> /dev/null
 echo "sweep: $(ls runs/gpu15/*/*.json 2> /dev/null | wc -l) of 80 runs written"
 tail -4 runs/gpu15.log 2> /dev/null
 cat runs/lease.log

@@ -14,6 +14,7 @@ import yaml
 
 from vitblocks.cli import main
 from vitblocks.experiments.checkpoint import load_checkpoint
+from vitblocks.experiments.reproduce import ninformer_own_models
 from vitblocks.experiments.jobs import (Job, remaining_seconds, run_jobs, run_to_pause, shared_finish,
                                        time_limit_window)
 
@@ -100,6 +101,10 @@ def test_run_to_pause_is_the_run_furthest_from_its_end_once_the_runs_would_miss_
     assert run_to_pause({'a': None, 'b': 300.0}, 400.0) is None  # no pace yet: not judged
     assert run_to_pause({'a': None, 'b': 900.0}, 400.0) == 'b'
     assert run_to_pause({}, 400.0) is None
+    # a run of higher priority (NiNformer's own model in its Table 1) is paused only after the others
+    assert run_to_pause({'a': 100.0, 'b': 300.0, 'c': 900.0}, 400.0, {'c': 1}) == 'b'
+    assert run_to_pause({'c': 900.0}, 400.0, {'c': 1}) == 'c'
+    assert ninformer_own_models(['mnist', 'cifar10']) == ['ninformer_vit_patch4_28', 'ninformer_vit_patch4_32']
     assert time_limit_window(1560) == 60 and time_limit_window(100) == 5 and time_limit_window(10) == 1
 
 

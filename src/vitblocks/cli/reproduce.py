@@ -12,7 +12,7 @@ from ..experiments.plots import TradeoffPoint, plot_curves, plot_tradeoff
 from ..experiments.config import load_recipe
 from ..experiments.jobs import Job, run_jobs
 from ..experiments.reproduce import (NINFORMER_DATASETS, ninformer_data, ninformer_jobs, ninformer_log,
-                                      ninformer_table1, table_rows)
+                                      ninformer_own_models, ninformer_table1, table_rows)
 from .common import CliError, positive_float, positive_int, render_table
 
 NAME = 'reproduce'
@@ -153,11 +153,12 @@ def _ninformer(args) -> int:
     t0 = time.perf_counter()
     models = args.models.split(',') if args.models else None
     jobs = ninformer_jobs(datasets, models)  # every --models name must match a row, before anything trains
+    own = ninformer_own_models(datasets)  # the paper's own model: the row the table is for, paused last
     for ds in datasets:  # and every dataset must be there
         ninformer_data(ds, args.data_root)
     if args.jobs > 1 or args.time_limit:  # runs in child processes
         children = [Job(f'{ds}/{model}', _ninformer_child(args, ds, model, dropout), ninformer_log(args.output, ds, model),
-                        Path(args.output) / ds / model) for ds, model in jobs]
+                        Path(args.output) / ds / model, priority=int(model in own)) for ds, model in jobs]
         if _report_unfinished(_run_children(args, children)):
             return 1
     runs = ninformer_table1(datasets, epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,

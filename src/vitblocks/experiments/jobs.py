@@ -3,7 +3,7 @@
 ``run_jobs`` starts the runs (``parallel`` at once) and waits for them. With ``time_limit`` it also
 keeps them inside that many seconds: it projects each run's end from the pace of its own
 ``metrics.csv`` over the last ``window`` seconds and, while some run is projected to end after the
-limit, pauses the run furthest from its end (SIGINT: the run saves ``last.pth`` at its next step and
+limit, pauses the run furthest from its end (of the lowest ``Job.priority``; SIGINT: the run saves ``last.pth`` at its next step and
 exits 130), one run at a time, judging again only on a pace measured since (a ``window`` after any
 run started or ended), so the runs left finish sooner on the device they share. When a
 run finishes and frees its share, a paused run resumes from its checkpoint (once) if it is then
@@ -38,6 +38,7 @@ class Job:
     argv: List[str]
     log: Path
     run_dir: Path
+    priority: int = 0  # under a time limit, runs of higher priority are paused last
 
 
 @dataclass
@@ -115,15 +116,17 @@ def shared_finish(projected: Dict[str, Optional[float]], sharing: int) -> float:
     return sum(s for s in projected.values() if s is not None) / max(1, sharing)
 
 
-def run_to_pause(projected: Dict[str, Optional[float]], seconds_left: float) -> Optional[str]:
+def run_to_pause(projected: Dict[str, Optional[float]], seconds_left: float,
+                 priority: Optional[Dict[str, int]] = None) -> Optional[str]:
     """The run to pause: None if the runs (sharing one device, ``shared_finish``) all end within
-    ``seconds_left``; else the one furthest from its end (shortest-first finishes the most runs).
-    On a device the runs do not actually share (each at its own pace), this pauses only runs that
-    would miss the limit anyway."""
+    ``seconds_left``; else, of the runs of lowest ``priority`` (default 0), the one furthest from its
+    end (shortest-first finishes the most runs). On a device the runs do not actually share (each at
+    its own pace), this pauses only runs that would miss the limit anyway."""
     known = {name: s for name, s in projected.items() if s is not None}
     if not known or shared_finish(projected, len(projected)) <= seconds_left:
         return None
-    return max(known, key=known.get)
+    priority = priority or {}
+    return max(known, key=lambda name: (-priority.get(name, 0), known[name]))
 
 
 def time_limit_window(time_limit: float) -> float:
@@ -240,7 +243,7 @@ class _Pool:
         self.next_decision = self.clock() + self.window
         going = [r for r in self.running if not r.pausing]
         projected = {r.job.name: remaining_seconds(r.job.run_dir, r.after_step, self.window) for r in going}
-        name = run_to_pause(projected, self.left())
+        name = run_to_pause(projected, self.left(), {r.job.name: r.job.priority for r in going})
         if name is None:
             return
         r = next(r for r in going if r.job.name == name)

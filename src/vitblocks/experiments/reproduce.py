@@ -28,7 +28,7 @@ from .setup import create_model
 
 __all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'ninformer_config', 'ninformer_jobs',
            'ninformer_data', 'table_rows', 'find_dataset', 'run_or_reuse', 'select_rows', 'budget_overrides',
-           'ninformer_rechecks', 'ninformer_log']
+           'ninformer_rechecks', 'ninformer_log', 'ninformer_own_models']
 
 # dataset -> (paper table number, folder name, recipe overrides). The authors' script is a
 # CIFAR script (random crop with 4-pixel padding, horizontal flips); the paper states no
@@ -134,6 +134,11 @@ def _table_rows(ds: str, models: Optional[Sequence[str]]):
 def ninformer_jobs(datasets: Sequence[str], models: Optional[Sequence[str]] = None) -> List[Tuple[str, str]]:
     """The (dataset, model name) pairs ``ninformer_table1`` trains, in its order (one job each)."""
     return [(ds, row.model) for ds in datasets for row in _table_rows(ds, models)]
+
+
+def ninformer_own_models(datasets: Sequence[str]) -> List[str]:
+    """The model names of the paper's own rows (labelled '... (ours)' in its table) for ``datasets``."""
+    return [row.model for ds in datasets for row in _table_rows(ds, None) if row.label.endswith('(ours)')]
 
 
 def ninformer_table1(datasets: Sequence[str] = ('mnist', 'cifar10'), epochs: Optional[int] = None,
