@@ -54,9 +54,10 @@ def fake_jobs(tmp_path):
     script.write_text(FAKE_RUN)
     share.mkdir()
 
-    def make(*steps, step_s=0.03):
+    def make(*steps, step_s=0.03, priority=()):
         return [Job(f'run{i}', [sys.executable, str(script), str(tmp_path / f'run{i}'), str(n), str(step_s), str(share)],
-                    tmp_path / f'run{i}.log', tmp_path / f'run{i}') for i, n in enumerate(steps)]
+                    tmp_path / f'run{i}.log', tmp_path / f'run{i}', priority=int(i in priority))
+                for i, n in enumerate(steps)]
     return make
 
 
@@ -119,6 +120,14 @@ def test_time_limit_pauses_the_longest_run_so_that_the_others_finish(fake_jobs):
     assert any(l.startswith('pausing run2: the 3 runs going are projected to need') for l in lines), lines
     assert 'paused run2' in lines and not any(l.startswith('resumed') for l in lines)  # 12 s never fit
     assert [l for l in lines if l.startswith('finished')] == ['finished run0: exit 0', 'finished run1: exit 0']
+
+
+def test_a_run_of_higher_priority_is_paused_after_the_others_even_if_it_needs_more(fake_jobs):
+    jobs = fake_jobs(300, 200, priority=[0])  # 9 s and 6 s alone: together past the limit, run0 alone not
+    lines = []
+    report = run_jobs(jobs, parallel=2, threads=1, time_limit=12, window=0.5, poll=0.05, echo=lines.append)
+    assert [j.name for j in report.paused] == ['run1'] and (jobs[0].run_dir / 'results.json').exists(), lines
+    assert any(l.startswith('pausing run1: ') and 'the most of the runs of its priority' in l for l in lines), lines
 
 
 def test_a_paused_run_resumes_when_the_runs_going_end_sooner_than_projected(fake_jobs, tmp_path):

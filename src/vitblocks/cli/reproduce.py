@@ -78,11 +78,12 @@ def add_parser(subparsers) -> None:
                    help='train this many runs at once, each in its own process (small models leave a GPU '
                         'mostly idle: several runs share it well); each logs next to its run folder')
     p.add_argument('--time-limit', type=positive_float, metavar='SECONDS',
-                   help='with --jobs: finish as many runs as fit in SECONDS of wall time. A run projected (from '
-                        'its pace) to end later is paused, longest first, so the others finish sooner on the '
-                        'device they share; it keeps its checkpoint and resumes if a finished run frees time, '
-                        'or when the command is re-run. For machines whose disk does not outlive them (a GPU '
-                        'lease, a preemptible node)')
+                   help='finish as many runs as fit in SECONDS of wall time (each run in its own process, --jobs '
+                        'at once). While the runs are projected (from their paces) to end later, the one '
+                        'furthest from its end is paused (NiNformer\'s own Table 1 rows last), so the others '
+                        'finish sooner on the device they share; it keeps its checkpoint and resumes if a '
+                        'finished run frees time, or when the command is re-run. For machines whose disk does '
+                        'not outlive them (a GPU lease, a preemptible node)')
     p.add_argument('--set', nargs='+', default=[], metavar='KEY=VALUE', dest='overrides',
                    help='extra config overrides for every run, e.g. --set log_interval=10 progress=log')
     p.set_defaults(run=run)

@@ -247,8 +247,9 @@ class _Pool:
         if name is None:
             return
         r = next(r for r in going if r.job.name == name)
+        among = ' of the runs of its priority' if len({g.job.priority for g in going}) > 1 else ''
         self.pause(r, f'the {len(going)} runs going are projected to need {shared_finish(projected, len(going)):.0f} s '
-                      f'more, {self.left():.0f} s are left of the time limit, and it needs the most '
+                      f'more, {max(0.0, self.left()):.0f} s are left of the time limit, and it needs the most{among} '
                       f'({projected[name]:.0f} s at the current pace)')
         if r.job.name not in self.resumed:  # a run is resumed once at most: a second pause is final
             startup = (r.first_row or self.clock()) - r.started
