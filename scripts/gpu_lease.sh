@@ -55,7 +55,8 @@ job() {  # the background job: each step in turn, whatever the one before it lef
   $python scripts/table1_rechecks.py runs/gpu-t1 > runs/gpu-t1-rechecks.txt 2>> runs/lease.log
   left=$(( t1_end - $(date +%s) ))
   if [ "$left" -lt "$recheck_min" ]; then
-    echo "$(date -u +%T) rechecks: $(wc -l < runs/gpu-t1-rechecks.txt) row(s) listed, not rerun: ${left} s left" >> runs/lease.log
+    echo "$(date -u +%T) rechecks: $(wc -l < runs/gpu-t1-rechecks.txt) row(s) listed, not rerun:" \
+      "${left} s left" >> runs/lease.log
     : > runs/gpu-t1-rechecks.txt
   fi
   while read -r ds model why; do

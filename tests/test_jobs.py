@@ -24,7 +24,8 @@ FAKE_RUN = textwrap.dedent('''
     run_dir, total, step_s, share = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4])
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / 'config.yaml').write_text('epochs: 1\\nmax_steps: null\\n')
-    step, elapsed = map(float, (run_dir / 'last.txt').read_text().split()) if (run_dir / 'last.txt').exists() else (0, 0.0)
+    last = run_dir / 'last.txt'
+    step, elapsed = map(float, last.read_text().split()) if last.exists() else (0, 0.0)
     step = int(step)
     metrics = run_dir / 'metrics.csv'
     if not metrics.exists():
@@ -55,8 +56,9 @@ def fake_jobs(tmp_path):
     share.mkdir()
 
     def make(*steps, step_s=0.03, priority=()):
-        return [Job(f'run{i}', [sys.executable, str(script), str(tmp_path / f'run{i}'), str(n), str(step_s), str(share)],
-                    tmp_path / f'run{i}.log', tmp_path / f'run{i}', priority=int(i in priority))
+        def argv(i, n):
+            return [sys.executable, str(script), str(tmp_path / f'run{i}'), str(n), str(step_s), str(share)]
+        return [Job(f'run{i}', argv(i, n), tmp_path / f'run{i}.log', tmp_path / f'run{i}', priority=int(i in priority))
                 for i, n in enumerate(steps)]
     return make
 
@@ -77,11 +79,11 @@ def test_remaining_seconds_is_the_steps_left_at_the_pace_of_the_last_window(tmp_
     rows.append((500, 'val', 35.0))
     write_metrics(run, rows)
     assert remaining_seconds(run, window=10) == pytest.approx(500 / 20)
-    assert remaining_seconds(run, window=30) == pytest.approx(500 / (450 / 30))  # steps 50 -> 500 in 30 s
-    assert remaining_seconds(run, window=40) is None  # 35 s of rows only
+    assert remaining_seconds(run, window=17) == pytest.approx(500 / (320 / 17))  # steps 180 -> 500 in 17 s
+    assert remaining_seconds(run, window=18) is None  # 34 s of rows (1 s to 35 s): the first window is warm-up
     # only this attempt's rows: resumed from step 300, the pace before it does not count
-    assert remaining_seconds(run, after_step=300, window=8) == pytest.approx(25.0)
-    assert remaining_seconds(run, after_step=300, window=10) is None  # 9 s of rows after step 300
+    assert remaining_seconds(run, after_step=300, window=4) == pytest.approx(25.0)
+    assert remaining_seconds(run, after_step=300, window=5) is None  # 9 s of rows after step 300
     write_metrics(run, rows, max_steps=600)  # a step budget ends it earlier
     assert remaining_seconds(run, window=10) == pytest.approx(100 / 20)
     write_metrics(run, rows, epochs=5)
@@ -175,7 +177,8 @@ def test_reproduce_time_limit_pauses_a_run_that_cannot_finish_and_a_rerun_resume
     step = load_checkpoint(run_dir / 'last.pth')['global_step']
     stop = json.loads((run_dir / 'stopped.json').read_text())
     assert (stop['reason'], stop['signal'], stop['global_step']) == ('interrupted', 'SIGINT', step) and step > 0
-    assert 'vitblocks reproduce: stopped by SIGINT' in (run_dir.parent / 'ninformer_baseline_mixer_patch4_28.log').read_text()
+    child_log = run_dir.parent / 'ninformer_baseline_mixer_patch4_28.log'
+    assert 'vitblocks reproduce: stopped by SIGINT' in child_log.read_text()
     # re-run on a budget it can finish: it resumes from the checkpoint
     argv[argv.index('--max-steps') + 1] = step + 2
     del argv[argv.index('--time-limit'):argv.index('--time-limit') + 2]

@@ -158,8 +158,9 @@ def _ninformer(args) -> int:
     for ds in datasets:  # and every dataset must be there
         ninformer_data(ds, args.data_root)
     if args.jobs > 1 or args.time_limit:  # runs in child processes
-        children = [Job(f'{ds}/{model}', _ninformer_child(args, ds, model, dropout), ninformer_log(args.output, ds, model),
-                        Path(args.output) / ds / model, priority=int(model in own)) for ds, model in jobs]
+        children = [Job(f'{ds}/{model}', _ninformer_child(args, ds, model, dropout),
+                        ninformer_log(args.output, ds, model), Path(args.output) / ds / model,
+                        priority=int(model in own)) for ds, model in jobs]
         if _report_unfinished(_run_children(args, children)):
             return 1
     runs = ninformer_table1(datasets, epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,

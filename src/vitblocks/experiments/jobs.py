@@ -1,13 +1,14 @@
 """Several training runs at once, each in its own process, optionally inside a wall-clock limit.
 
 ``run_jobs`` starts the runs (``parallel`` at once) and waits for them. With ``time_limit`` it also
-keeps them inside that many seconds: it projects each run's end from the pace of its own
-``metrics.csv`` over the last ``window`` seconds and, while some run is projected to end after the
-limit, pauses the run furthest from its end (of the lowest ``Job.priority``; SIGINT: the run saves ``last.pth`` at its next step and
-exits 130), one run at a time, judging again only on a pace measured since (a ``window`` after any
-run started or ended), so the runs left finish sooner on the device they share. When a
-run finishes and frees its share, a paused run resumes from its checkpoint (once) if it is then
-projected to fit. At the limit, the runs still going are paused.
+keeps them inside that many seconds. It reads each run's pace from its own ``metrics.csv`` over the
+last ``window`` seconds (once the run has gone two) and projects when the runs end if they share
+the device equally (``shared_finish``). While that is after the limit, it pauses the run furthest
+from its end, of those of the lowest ``Job.priority`` (SIGINT: the run saves ``last.pth`` at its next
+step and exits 130), one run at a time, judging again only on a pace measured after the change (a
+``window`` after any run started or ended), so the runs left finish sooner. When a run ends sooner
+than projected, a paused run resumes from its checkpoint (once) if it is then projected to fit. At
+the limit, the runs still going are paused.
 
 Why: N runs sharing one GPU each get about 1/N of it, so a set of runs that needs more time than the
 machine has would otherwise end with every run 90% done; where the checkpoints cannot outlive the
@@ -91,9 +92,11 @@ def _pace(run_dir: Path, after_step: int, window: float) -> Optional[_Pace]:
     if len(rows) < 2:
         return None
     step, _, elapsed = rows[-1]
+    if elapsed - rows[0][2] < 2 * window:
+        return None  # an attempt's first window is its warm-up (the evaluation's compilation, caches)
     start = [r for r in rows if r[2] <= elapsed - window]
-    if not start or step <= start[-1][0]:
-        return None  # not `window` seconds of this attempt yet
+    if step <= start[-1][0]:
+        return None
     total = _total_steps(run_dir, rows)
     if total is None:
         return None
@@ -103,7 +106,7 @@ def _pace(run_dir: Path, after_step: int, window: float) -> Optional[_Pace]:
 def remaining_seconds(run_dir: Path, after_step: int = 0, window: float = 60.0) -> Optional[float]:
     """Seconds the run in ``run_dir`` needs to reach its last step at the pace of its last ``window``
     seconds of ``metrics.csv`` rows after ``after_step`` (the step its current attempt started from);
-    None until those rows span ``window`` seconds."""
+    None until those rows span two windows (the first is the attempt's warm-up)."""
     pace = _pace(run_dir, after_step, window)
     return None if pace is None else max(0, pace.total_steps - pace.step) / pace.rate
 
