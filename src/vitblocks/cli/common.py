@@ -16,9 +16,9 @@ from ..experiments.setup import create_model
 from ..models import get_variant, list_models, resolve_model_name, swap_ffn
 
 __all__ = ['CliError', 'ArgumentParser', 'resolve', 'is_vitblocks_model', 'build_model', 'describe_model',
-           'format_cfg', 'parse_block_cfg', 'positive_int', 'positive_float', 'non_negative_int', 'render_table', 'progress',
-           'end_progress', 'check_writable_dir', 'check_writable_file', 'add_model_size_args', 'model_size_kwargs',
-           'load_trained_model']
+           'format_cfg', 'parse_block_cfg', 'positive_int', 'positive_float', 'non_negative_int', 'render_table',
+           'progress', 'end_progress', 'check_writable_dir', 'check_writable_file', 'add_model_size_args',
+           'model_size_kwargs', 'load_trained_model']
 
 
 class CliError(Exception):

@@ -15,7 +15,6 @@ machine has would otherwise end with every run 90% done; where the checkpoints c
 machine (a GPU lease, a preemptible node) that is nothing. Pausing the longest runs first
 finishes as many runs as the time allows.
 """
-import csv
 import signal
 import subprocess
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import yaml
+
+from .runlog import read_metrics
 
 __all__ = ['Job', 'JobsReport', 'run_jobs', 'remaining_seconds', 'shared_finish', 'run_to_pause', 'time_limit_window']
 
@@ -49,19 +50,10 @@ class JobsReport:
     not_started: List[Job] = field(default_factory=list)  # never started: the limit came first
 
 
-@dataclass
-class _Pace:
-    step: int          # the last step written
-    elapsed: float     # its elapsed_s
-    rate: float        # steps per second over the window
-    total_steps: int
-
-
 def _progress_rows(run_dir: Path):
     """(step, epoch, elapsed_s) of each complete row of ``metrics.csv``; a row being written is skipped."""
     try:
-        with open(run_dir / 'metrics.csv', newline='') as f:
-            rows = list(csv.DictReader(f))
+        rows = read_metrics(run_dir / 'metrics.csv')
     except OSError:
         return []
     out = []
@@ -87,28 +79,21 @@ def _total_steps(run_dir: Path, rows) -> Optional[int]:
     return min(total, cfg['max_steps']) if cfg.get('max_steps') else total
 
 
-def _pace(run_dir: Path, after_step: int, window: float) -> Optional[_Pace]:
+def remaining_seconds(run_dir: Path, after_step: int = 0, window: float = 60.0) -> Optional[float]:
+    """Seconds the run in ``run_dir`` needs to reach its last step at the pace of its last ``window``
+    seconds of ``metrics.csv`` rows after ``after_step`` (the step its current attempt started from);
+    None until those rows span two windows (the first is the attempt's warm-up)."""
     rows = sorted(r for r in _progress_rows(run_dir) if r[0] > after_step)  # this attempt's rows
     if len(rows) < 2:
         return None
     step, _, elapsed = rows[-1]
     if elapsed - rows[0][2] < 2 * window:
         return None  # an attempt's first window is its warm-up (the evaluation's compilation, caches)
-    start = [r for r in rows if r[2] <= elapsed - window]
-    if step <= start[-1][0]:
-        return None
+    start_step, _, start_elapsed = [r for r in rows if r[2] <= elapsed - window][-1]
     total = _total_steps(run_dir, rows)
-    if total is None:
+    if step <= start_step or total is None:
         return None
-    return _Pace(step, elapsed, (step - start[-1][0]) / (elapsed - start[-1][2]), total)
-
-
-def remaining_seconds(run_dir: Path, after_step: int = 0, window: float = 60.0) -> Optional[float]:
-    """Seconds the run in ``run_dir`` needs to reach its last step at the pace of its last ``window``
-    seconds of ``metrics.csv`` rows after ``after_step`` (the step its current attempt started from);
-    None until those rows span two windows (the first is the attempt's warm-up)."""
-    pace = _pace(run_dir, after_step, window)
-    return None if pace is None else max(0, pace.total_steps - pace.step) / pace.rate
+    return max(0, total - step) * (elapsed - start_elapsed) / (step - start_step)
 
 
 def shared_finish(projected: Dict[str, Optional[float]], sharing: int) -> float:
@@ -230,22 +215,25 @@ class _Pool:
         if not waiting or len(self.running) >= self.parallel:
             return
         p = min(waiting, key=lambda p: p.alone)
-        going = [r for r in self.running if not r.pausing]
+        going, projected = self.projections()
         # the runs going were last measured beside the run that just ended
-        projected = {r.job.name: remaining_seconds(r.job.run_dir, r.after_step, self.window) for r in going}
         if shared_finish(projected, len(going) + 1) + p.alone + p.startup < self.left():
             self.resumable.remove(p)
             self.resumed.add(p.job.name)
             self.report.paused.remove(p.job)
             self.launch(p.job, resumed=True)
 
+    def projections(self):
+        """The runs going (not being paused) and the seconds each is projected to need (``remaining_seconds``)."""
+        going = [r for r in self.running if not r.pausing]
+        return going, {r.job.name: remaining_seconds(r.job.run_dir, r.after_step, self.window) for r in going}
+
     def decide(self) -> None:
         """Pause the run furthest from its end while the runs are projected to end after the limit."""
         if self.deadline is None or self.clock() < self.next_decision:
             return
         self.next_decision = self.clock() + self.window
-        going = [r for r in self.running if not r.pausing]
-        projected = {r.job.name: remaining_seconds(r.job.run_dir, r.after_step, self.window) for r in going}
+        going, projected = self.projections()
         name = run_to_pause(projected, self.left(), {r.job.name: r.job.priority for r in going})
         if name is None:
             return
