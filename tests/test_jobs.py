@@ -22,6 +22,7 @@ FAKE_RUN = textwrap.dedent('''
     import os, signal, sys, time
     from pathlib import Path
     run_dir, total, step_s, share = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4])
+    save_s = float(sys.argv[5])  # how long saving its checkpoint takes once it is asked to stop
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / 'config.yaml').write_text('epochs: 1\\nmax_steps: null\\n')
     last = run_dir / 'last.txt'
@@ -41,6 +42,7 @@ FAKE_RUN = textwrap.dedent('''
         with open(metrics, 'a') as f:
             f.write(f'{step},{step / total:.4f},train,1.0,,,0.001,1.0,{time.monotonic() - t0:.4f}\\n')
         if stop:
+            time.sleep(save_s)  # still holding its share of the device
             (run_dir / 'last.txt').write_text(f'{step} {time.monotonic() - t0}')
             me.unlink()
             sys.exit(130)
@@ -55,9 +57,10 @@ def fake_jobs(tmp_path):
     script.write_text(FAKE_RUN)
     share.mkdir()
 
-    def make(*steps, step_s=0.03, priority=()):
+    def make(*steps, step_s=0.03, priority=(), save_s=0.0):
         def argv(i, n):
-            return [sys.executable, str(script), str(tmp_path / f'run{i}'), str(n), str(step_s), str(share)]
+            run_dir = tmp_path / f'run{i}'
+            return [sys.executable, str(script), str(run_dir), str(n), str(step_s), str(share), str(save_s)]
         return [Job(f'run{i}', argv(i, n), tmp_path / f'run{i}.log', tmp_path / f'run{i}', priority=int(i in priority))
                 for i, n in enumerate(steps)]
     return make
@@ -112,7 +115,9 @@ def test_run_to_pause_is_the_run_furthest_from_its_end_once_the_runs_would_miss_
 
 
 def test_time_limit_pauses_the_longest_run_so_that_the_others_finish(fake_jobs):
-    jobs = fake_jobs(50, 100, 400)  # 1.5 s, 3 s and 12 s of device time alone: 16.5 s in all
+    # 1.5 s, 3 s and 12 s of device time alone: 16.5 s in all. A paused run takes 1.5 s (3 windows) to save
+    # and stop: until it has, the pace of the others still has it beside them, and no other run is judged
+    jobs = fake_jobs(50, 100, 400, save_s=1.5)
     lines = []
     report = run_jobs(jobs, parallel=3, threads=1, time_limit=6, window=0.5, poll=0.05, echo=lines.append)
     assert [j.name for j in report.paused] == ['run2'] and not report.failed and not report.not_started, lines
@@ -172,7 +177,7 @@ def test_reproduce_time_limit_pauses_a_run_that_cannot_finish_and_a_rerun_resume
             '--set', 'batch_size=4', 'log_interval=1', 'eval_interval=1000', 'progress=none', 'tensorboard=false']
     code, out, err = run_cli(capsys, *argv)
     assert code == 1 and "not finished within --time-limit: mnist/ninformer_baseline_mixer_patch4_28" in err, out + err
-    assert 'pausing mnist/ninformer_baseline_mixer_patch4_28: the 1 runs going are projected to need' in out, out
+    assert 'pausing mnist/ninformer_baseline_mixer_patch4_28: the run going is projected to need' in out, out
     run_dir = tmp_path / 'out' / 'mnist' / 'ninformer_baseline_mixer_patch4_28'
     step = load_checkpoint(run_dir / 'last.pth')['global_step']
     stop = json.loads((run_dir / 'stopped.json').read_text())

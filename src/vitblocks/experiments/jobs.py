@@ -230,8 +230,8 @@ class _Pool:
 
     def decide(self) -> None:
         """Pause the run furthest from its end while the runs are projected to end after the limit."""
-        if self.deadline is None or self.clock() < self.next_decision:
-            return
+        if self.deadline is None or self.clock() < self.next_decision or any(r.pausing for r in self.running):
+            return  # (a run being paused still holds its share until it has saved and exited)
         self.next_decision = self.clock() + self.window
         going, projected = self.projections()
         name = run_to_pause(projected, self.left(), {r.job.name: r.job.priority for r in going})
@@ -239,7 +239,8 @@ class _Pool:
             return
         r = next(r for r in going if r.job.name == name)
         among = ' of the runs of its priority' if len({g.job.priority for g in going}) > 1 else ''
-        self.pause(r, f'the {len(going)} runs going are projected to need {shared_finish(projected, len(going)):.0f} s '
+        runs = f'{len(going)} runs going are' if len(going) > 1 else 'run going is'
+        self.pause(r, f'the {runs} projected to need {shared_finish(projected, len(going)):.0f} s '
                       f'more, {max(0.0, self.left()):.0f} s are left of the time limit, and it needs the most{among} '
                       f'({projected[name]:.0f} s at the current pace)')
         if r.job.name not in self.resumed:  # a run is resumed once at most: a second pause is final
