@@ -18,7 +18,7 @@ import vitblocks.cli as cli
 from vitblocks.cli import reproduce as reproduce_cmd
 from vitblocks.data import BatchTransform
 from vitblocks.experiments import engine, load_checkpoint
-from vitblocks.experiments.blocks_benchmark import BENCH_CONFIGS
+from vitblocks.experiments.blocks_benchmark import BENCH_CONFIGS, check_fold
 from vitblocks.experiments.reproduce import ninformer_config, ninformer_jobs, ninformer_rechecks, select_rows
 from vitblocks.experiments.runlog import read_stop_record, write_stop_record
 from vitblocks.experiments.setup import create_model
@@ -229,6 +229,17 @@ def test_benchmark_every_configuration_through_the_harness(cifar_root, tmp_path,
     assert summary['repa']['folded_top1'] == [fold['folded_top1']]
     assert any(l.startswith('note: repa: fp32 top-1 before folding') for l in lines)
     assert (out_dir / 'tradeoff.png').is_file() and (out_dir / 'table.txt').read_text().strip() in out
+
+
+def test_fold_check_reuses_a_whole_record_and_rechecks_a_torn_one(tmp_path):
+    """fold.json of the run's final step is reused; one cut short by a kill (not JSON) is not read as a result
+    and is checked again (here: None, as the run kept no weights), instead of stopping the benchmark."""
+    record = {'global_step': 7, 'trained_top1': 50.0, 'folded_top1': 50.0, 'predictions_differ': 0}
+    (tmp_path / 'fold.json').write_text(json.dumps(record))
+    assert check_fold(None, tmp_path, {'global_step': 7}) == record
+    assert check_fold(None, tmp_path, {'global_step': 8}) is None  # of an earlier step: stale
+    (tmp_path / 'fold.json').write_text(json.dumps(record)[:20])
+    assert check_fold(None, tmp_path, {'global_step': 7}) is None
 
 
 @pytest.mark.slow  # races a 6-step run with a poller: under a loaded CPU the run can finish first (seen in CI)

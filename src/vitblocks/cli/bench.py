@@ -1,5 +1,4 @@
 """`vitblocks bench MODEL [--baseline MODEL]`: latency and throughput, measured interleaved."""
-import json
 import platform
 from pathlib import Path
 
@@ -10,6 +9,7 @@ from timm.utils import reparameterize_model
 from ..deploy.io import model_sizes
 from ..profile import (AMP_DTYPES, COMPILE_MODES, BenchOptionError, benchmark_models, check_bench_options,
                        count_params, input_size_of, timm_record)
+from ..experiments.runlog import write_json
 from .common import (CliError, add_model_size_args, build_model, check_writable_file, model_size_kwargs,
                      non_negative_int, parse_block_cfg, positive_int, render_table, resolve)
 from .export import deployed_model
@@ -159,7 +159,7 @@ def _write_json(args, results, params, size, ref, device) -> None:
         record.update(model=label.removesuffix(' (baseline)'), baseline=label.endswith(' (baseline)'), **settings)
         records.append(record)
     try:
-        Path(args.json).write_text(json.dumps(records, indent=1))
+        write_json(Path(args.json), records)
     except OSError as e:
         raise CliError(f'--json {args.json}: cannot write it ({e.strerror or e}); the results are printed above') \
             from None

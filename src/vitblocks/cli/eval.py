@@ -1,5 +1,4 @@
 """`vitblocks eval --model NAME --checkpoint PATH --data PATH [--reparam]`: accuracy, loss, speed."""
-import json
 import re
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from ..experiments.distributed import init_distributed
 from ..experiments.robustness import ROBUSTNESS_SETS, mean_corruption_error, robustness_sets
 from ..experiments.setup import DataSetup, create_model, make_loader, model_input_size, norm_stats, resolve_device
 from ..profile import count_macs, count_params, fixed_image_size
+from ..experiments.runlog import write_json
 from .common import CliError, check_writable_file, positive_int, render_table, resolve
 
 NAME = 'eval'
@@ -243,7 +243,7 @@ def run(args) -> int:
         out['mean_corruption_error'] = mce
     if args.json:
         try:
-            Path(args.json).write_text(json.dumps(out, indent=1))
+            write_json(Path(args.json), out)
         except OSError as e:
             raise CliError(f'--json {args.json}: cannot write it ({e.strerror or e}); the results are printed '
                            f'above') from None

@@ -1,5 +1,4 @@
 """`vitblocks reproduce ninformer-table1 | cifar10-blocks`: train a table's models, print ours (vs the paper)."""
-import json
 import os
 import sys
 import time
@@ -11,6 +10,7 @@ from ..experiments import blocks_benchmark as bench
 from ..experiments.plots import TradeoffPoint, plot_curves, plot_tradeoff
 from ..experiments.config import load_recipe
 from ..experiments.jobs import Job, run_jobs
+from ..experiments.runlog import write_json
 from ..experiments.reproduce import (NINFORMER_DATASETS, ninformer_data, ninformer_jobs, ninformer_log,
                                       ninformer_own_models, ninformer_table1, table_rows)
 from .common import CliError, positive_float, positive_int, render_table
@@ -224,10 +224,10 @@ def _blocks_child(args, config: str, seed: int):
 def _blocks_outputs(args, runs, summaries) -> None:
     """summary.json, every run's curves.png and tradeoff.png (accuracy vs GMACs and vs latency) in --output."""
     out = Path(args.output)
-    (out / 'summary.json').write_text(json.dumps([{
+    write_json(out / 'summary.json', [{
         'config': s.config, 'top1': s.top1, 'params': s.params, 'deployed_params': s.deployed_params,
         'gmacs': s.gmacs, 'cpu_latency_ms': s.latency_ms, 'trained_fp32_top1': s.trained_fp32_top1,
-        'folded_top1': s.folded_top1, 'fold_predictions_differ': s.fold_differ} for s in summaries], indent=1))
+        'folded_top1': s.folded_top1, 'fold_predictions_differ': s.fold_differ} for s in summaries])
     try:
         for r in runs:
             plot_curves(r.run_dir)

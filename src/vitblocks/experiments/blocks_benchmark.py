@@ -23,6 +23,7 @@ from ..profile import benchmark_models, count_macs, count_params, fixed_threads
 from .checkpoint import load_model_weights
 from .config import TrainConfig, load_config, load_recipe, merge
 from .reproduce import budget_overrides, find_dataset, run_or_reuse
+from .runlog import write_json
 from .setup import create_model, make_loader, resolve_device, setup_data
 
 __all__ = ['BENCH_CONFIGS', 'BENCH_SEEDS', 'BenchRun', 'bench_config', 'select_configs', 'run_benchmark',
@@ -107,10 +108,12 @@ def check_fold(cfg: TrainConfig, run_dir: Path, results: Dict) -> Optional[Dict]
     folding is exact in real arithmetic, so only float rounding may tell them apart), written to ``fold.json``.
     Reused while it is of the run's final step; None (not checked) when the weights are gone."""
     out = run_dir / 'fold.json'
-    if out.exists():
+    try:
         fold = json.loads(out.read_text())
-        if fold.get('global_step') == results['global_step']:
-            return fold
+    except (OSError, ValueError):  # none yet, or unreadable: checked again
+        fold = None
+    if isinstance(fold, dict) and fold.get('global_step') == results['global_step']:
+        return fold
     if not (run_dir / 'last.pth').exists():
         return None
     device = resolve_device(cfg.device)
@@ -136,7 +139,7 @@ def check_fold(cfg: TrainConfig, run_dir: Path, results: Dict) -> Optional[Dict]
     fold = {'global_step': results['global_step'], 'num_images': n, 'trained_top1': 100.0 * correct[0] / n,
             'folded_top1': 100.0 * correct[1] / n, 'predictions_differ': differ, 'max_logit_diff': max_diff,
             'trained_params': count_params(model), 'folded_params': count_params(folded)}
-    out.write_text(json.dumps(fold, indent=1))
+    write_json(out, fold)
     return fold
 
 
