@@ -7,9 +7,9 @@ import torch
 from timm.utils import reparameterize_model
 
 from ..deploy.io import model_sizes
+from ..experiments.runlog import write_json
 from ..profile import (AMP_DTYPES, COMPILE_MODES, BenchOptionError, benchmark_models, check_bench_options,
                        count_params, input_size_of, timm_record)
-from ..experiments.runlog import write_json
 from .common import (CliError, add_model_size_args, build_model, check_writable_file, model_size_kwargs,
                      non_negative_int, parse_block_cfg, positive_int, render_table, resolve)
 from .export import deployed_model

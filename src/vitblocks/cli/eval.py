@@ -13,9 +13,9 @@ from ..experiments import CheckpointError, ConfigError, evaluate, load_model_wei
 from ..experiments.checkpoint import FORMAT, read_checkpoint
 from ..experiments.distributed import init_distributed
 from ..experiments.robustness import ROBUSTNESS_SETS, mean_corruption_error, robustness_sets
+from ..experiments.runlog import write_json
 from ..experiments.setup import DataSetup, create_model, make_loader, model_input_size, norm_stats, resolve_device
 from ..profile import count_macs, count_params, fixed_image_size
-from ..experiments.runlog import write_json
 from .common import CliError, check_writable_file, positive_int, render_table, resolve
 
 NAME = 'eval'

@@ -8,7 +8,6 @@ configuration (top-1 per seed, params, GMACs and CPU latency of the deployed for
 renders it (top-1 mean and sample std over seeds, the difference to vanilla, latency relative to
 vanilla). The CLI (``vitblocks reproduce cifar10-blocks``) adds the plots.
 """
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from ..profile import benchmark_models, count_macs, count_params, fixed_threads
 from .checkpoint import load_model_weights
 from .config import TrainConfig, load_config, load_recipe, merge
 from .reproduce import budget_overrides, find_dataset, run_or_reuse
-from .runlog import write_json
+from .runlog import read_json, write_json
 from .setup import create_model, make_loader, resolve_device, setup_data
 
 __all__ = ['BENCH_CONFIGS', 'BENCH_SEEDS', 'BenchRun', 'bench_config', 'select_configs', 'run_benchmark',
@@ -108,10 +107,7 @@ def check_fold(cfg: TrainConfig, run_dir: Path, results: Dict) -> Optional[Dict]
     folding is exact in real arithmetic, so only float rounding may tell them apart), written to ``fold.json``.
     Reused while it is of the run's final step; None (not checked) when the weights are gone."""
     out = run_dir / 'fold.json'
-    try:
-        fold = json.loads(out.read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: checked again
-        fold = None
+    fold = read_json(out)  # None when there is none yet or it is unreadable: checked again
     if isinstance(fold, dict) and fold.get('global_step') == results['global_step']:
         return fold
     if not (run_dir / 'last.pth').exists():

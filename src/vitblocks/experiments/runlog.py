@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 __all__ = ['MetricsLog', 'Progress', 'read_metrics', 'remove_stale_temporaries', 'METRIC_COLUMNS', 'write_stop_record',
-           'read_stop_record', 'write_json', 'STOP_RECORD']
+           'read_stop_record', 'read_json', 'write_json', 'STOP_RECORD']
 
 # one row per log interval (split=train) and per evaluation (split=val / val_ema)
 METRIC_COLUMNS = ['step', 'epoch', 'split', 'loss', 'top1', 'top5', 'lr', 'images_per_s', 'elapsed_s']
@@ -102,12 +102,18 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def read_stop_record(run_dir: Path) -> Optional[Dict]:
-    """The stop record of ``run_dir`` (see ``write_stop_record``), or None if it has none or it is unreadable."""
+def read_json(path: Path):
+    """The JSON object in ``path``, or None if there is no such file or it is unreadable (cut short by a kill
+    before writes went through ``write_json``, or damaged)."""
     try:
-        record = json.loads((Path(run_dir) / STOP_RECORD).read_text())
+        return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+def read_stop_record(run_dir: Path) -> Optional[Dict]:
+    """The stop record of ``run_dir`` (see ``write_stop_record``), or None if it has none or it is unreadable."""
+    record = read_json(Path(run_dir) / STOP_RECORD)
     return record if isinstance(record, dict) and 'reason' in record else None
 
 
