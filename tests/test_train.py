@@ -532,3 +532,21 @@ def test_eval_imagenet_r_restricts_logits_to_its_200_classes(tmp_path, capsys):
     assert 'top-1    50.00%' in out  # one of the two images is of the class the head answers
     mce = mean_corruption_error({'fog': {1: 10.0, 2: 30.0}, 'snow': {1: 40.0}}, {'fog': 40.0, 'snow': 80.0})
     assert mce == {'fog': 50.0, 'snow': 50.0, 'mean': 50.0}
+
+
+def test_train_step_ops_benchmark_names_the_dropout_masks():
+    """benchmarks/train_step_ops.py (docs/training.md): with the recipe's dropout the masks are a share of the
+    step; without it there are none, and the GEMMs remain."""
+    script = Path(__file__).resolve().parents[1] / 'benchmarks' / 'train_step_ops.py'
+    env = dict(os.environ, PYTHONPATH=str(script.parents[1] / 'src'))
+    shares = {}
+    for drop in ('0.5', '0'):
+        out = subprocess.run([sys.executable, str(script), '--batch-size', '2', '--steps', '1', '--threads', '1',
+                              '--mlp-drop', drop], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        m = re.search(r'^step 1: [\d.]+ s; dropout masks \(bernoulli_\) ([\d.]+)%, GEMMs \(mm \+ addmm\) ([\d.]+)%',
+                      out.stdout, re.M)
+        assert m, out.stdout
+        shares[drop] = float(m[1]), float(m[2])
+    assert shares['0.5'][0] > 0 and shares['0'][0] == 0
+    assert shares['0.5'][1] > 0 and shares['0'][1] > 0
