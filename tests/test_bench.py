@@ -99,6 +99,33 @@ def test_amp_that_autocast_would_silently_drop_is_refused(monkeypatch):
         check_bench_options('cpu', amp='fp16')
 
 
+@pytest.mark.parametrize('native', [False, True])
+def test_amp_on_a_cpu_without_onednn_kernels_prints_a_note(capsys, monkeypatch, native):
+    monkeypatch.setitem(latency.ONEDNN_DTYPE_PROBES, 'bf16', lambda: native)
+    code, out, err = run_cli(capsys, 'bench', *TINY, '--warmup', 0, '--repeats', 1, '--amp', 'bf16')
+    assert code == 0, err
+    assert ('has no oneDNN bf16 kernels' in out) is not native, out
+    assert latency.amp_kernel_note('cpu', None) is None  # fp32: nothing to say
+    assert latency.amp_kernel_note('cuda', 'bf16') is None  # cuDNN, not oneDNN
+
+
+def test_what_the_note_says_a_depthwise_conv_without_onednn_kernels_does():
+    """Where the note is printed (this CPU has no oneDNN bf16), a depthwise conv under bf16 autocast
+    runs torch's fallback once per channel group; in fp32 it is one oneDNN call."""
+    if latency.ONEDNN_DTYPE_PROBES['bf16']():
+        pytest.skip('this CPU has oneDNN bf16 kernels: the note is not printed here')
+    conv, x = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16).eval(), torch.randn(1, 16, 8, 8)
+
+    def slow_conv_calls(amp):
+        with torch.inference_mode(), torch.autocast('cpu', torch.bfloat16, enabled=amp), \
+                torch.profiler.profile() as prof:
+            conv(x)
+        return sum(e.count for e in prof.key_averages() if e.key == 'aten::_slow_conv2d_forward')
+
+    assert slow_conv_calls(amp=True) == 16
+    assert slow_conv_calls(amp=False) == 0
+
+
 def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: False)

@@ -8,8 +8,8 @@ from timm.utils import reparameterize_model
 
 from ..deploy.io import model_sizes
 from ..experiments.runlog import write_json
-from ..profile import (AMP_DTYPES, COMPILE_MODES, BenchOptionError, benchmark_models, check_bench_options,
-                       count_params, input_size_of, timm_record)
+from ..profile import (AMP_DTYPES, COMPILE_MODES, BenchOptionError, amp_kernel_note, benchmark_models,
+                       check_bench_options, count_params, input_size_of, timm_record)
 from .common import (CliError, add_model_size_args, build_model, check_writable_file, model_size_kwargs,
                      non_negative_int, parse_block_cfg, positive_int, render_table, resolve)
 from .export import deployed_model
@@ -127,6 +127,9 @@ def run(args) -> int:
           f'{", ".join(o for o in options if o)}')
     print(f'{args.warmup} warm-up + {args.repeats} timed batches per model, interleaved; times in ms per batch'
           + (', CUDA events' if device.type == 'cuda' else ''))
+    note = amp_kernel_note(device, args.amp)
+    if note:
+        print(note)
     if args.compile:
         print('compile (first call): ' + ', '.join(f'{k} {r.compile_s:.1f} s' for k, r in results.items()))
 
