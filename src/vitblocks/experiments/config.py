@@ -106,6 +106,7 @@ class TrainConfig:
     matmul_precision: str = 'highest'  # CUDA fp32 matmuls/convs: 'highest' fp32, 'high' TF32 (ignored on CPU)
     compile: bool = False           # torch.compile the model
     compile_mode: str = 'default'   # torch.compile mode; 'reduce-overhead' (CUDA graphs) suits small models on a GPU
+                                    # (on the CPU torch has no graphs to capture: it runs as 'default')
     threads: Optional[int] = None   # torch intra-op threads (default: torch's; 1 is fastest on a busy CPU)
     seed: int = 0
     deterministic: bool = True      # torch.use_deterministic_algorithms (warn only)
