@@ -31,8 +31,8 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_COMPILE_THREADS=2                 # 8 compiling processes on 16 cores
 export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/.inductor
 python=${PYTHON:-python3}
-t1_flags=${T1_FLAGS:-"--device cuda --data-root .gpu_data --threads 2 --set compile=true compile_mode=reduce-overhead \
-deterministic=false matmul_precision=high progress=log log_interval=200"}
+. scripts/lease_settings.sh                            # T1_SETTINGS
+t1_flags=${T1_FLAGS:-"--device cuda --data-root .gpu_data --threads 2 --set $T1_SETTINGS progress=log log_interval=200"}
 # Table 1 and its rechecks must end inside the lease (their checkpoints cannot leave the machine): the
 # runs that fit in T1_TIME_LIMIT seconds from the job's start finish, those projected to miss it are paused
 # (reproduce --time-limit), and the rechecks run only if RECHECK_MIN seconds are left. 1560 s: a 1800 s lease

@@ -22,6 +22,7 @@ if [ ! -x "$venv/bin/python" ]; then
     tensorboard matplotlib tqdm pytest pytest-timeout
 fi
 export PYTHONPATH=$PWD/src
+. scripts/lease_settings.sh  # T1_SETTINGS: the lease's own Table 1 settings
 py=$venv/bin/python
 $py -c 'import torch, timm, sys; print("stack:", sys.version.split()[0], torch.__version__, timm.__version__)'
 log=$(mktemp -d)
@@ -32,7 +33,7 @@ step() {  # name, command...
 step lease-dry-run $py -m pytest -q -m slow tests/test_gpu_lease.py -p no:cacheprovider
 step table1-compiled $py -m vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --models ViT,NiNformer \
   --max-steps 3 --train-subset 512 --test-subset 256 --device cpu --data-root .gpu_data --output "$log/t1" \
-  --threads 2 --set compile=true compile_mode=reduce-overhead deterministic=false matmul_precision=high progress=log tensorboard=false
+  --threads 2 --set $T1_SETTINGS progress=log tensorboard=false
 step sweep-compiled $py scripts/gpu_issue15.py --device cpu --img-size 32 --batches 1 --precisions fp32,bf16 \
   --compile compile --warmup 1 --repeats 1 --groups deit_tiny --out "$log/gpu15"
 echo "gpu_stack_check: all steps passed under the GPU image's versions (logs: $log)"
