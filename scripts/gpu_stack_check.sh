@@ -13,11 +13,15 @@
 # About 10-20 minutes on 2 cores once the venv exists (the compiles dominate). Each step prints "ok" or stops with its log's tail.
 set -euo pipefail
 venv=${1:-/tmp/gpuenv}
-py312=${PYTHON312:-$(command -v python3.12 || true)}
-[ -n "$py312" ] || { echo "gpu_stack_check: no python3.12 here (set PYTHON312)" >&2; exit 2; }
+py312=  # PYTHON312, else the first Python 3.12 that runs (a pyenv shim without a 3.12 selected does not)
+for c in ${PYTHON312:-python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12}; do
+  "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { py312=$c; break; }
+done
+[ -n "$py312" ] || { echo "gpu_stack_check: no Python 3.12 runs here (${PYTHON312:+PYTHON312=$PYTHON312 is not one; }set PYTHON312)" >&2; exit 2; }
 [ -d .gpu_data/mnist ] && [ -d .gpu_data/cifar10 ] || { echo "gpu_stack_check: .gpu_data/{mnist,cifar10} missing" >&2; exit 2; }
-if [ ! -x "$venv/bin/python" ]; then
-  "$py312" -m venv "$venv"
+# (re)install unless the venv imports the image's torch and timm: an install cut short is completed
+if ! "$venv/bin/python" -c 'import torch, timm, pytest; assert torch.__version__.startswith("2.11.0")' 2>/dev/null; then
+  [ -x "$venv/bin/python" ] || "$py312" -m venv "$venv"
   "$venv/bin/pip" install -q torch==2.11.0 torchvision==0.26.0 timm==1.0.29 numpy==2.5.2 pyyaml safetensors \
     tensorboard matplotlib tqdm pytest pytest-timeout
 fi
