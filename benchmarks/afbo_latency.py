@@ -5,6 +5,7 @@ Command (results and discussion: docs/afbo.md):
     .venv/bin/python benchmarks/afbo_latency.py                 # batch 32, 1 thread, 10 timed batches
     .venv/bin/python benchmarks/afbo_latency.py --threads 2     # torch's default on this 2-core VM
     .venv/bin/python benchmarks/afbo_latency.py --threads 2 --runs 5 --layer-repeats 0   # target + stability
+    .venv/bin/python benchmarks/afbo_latency.py --threads 2 --runs 5 --layer-repeats 0 --steady-malloc
 
 Target (issue 15): AFBO-T at most 1.08x the latency of DeiT-T at batch 32, stable over repeated
 runs; the last line of part 1 gives the verdict on the median over ``--runs`` interleaved runs
@@ -17,6 +18,8 @@ What is measured, all in inference mode (eval + torch.inference_mode), wall-cloc
    so drift and other load on the machine hit both alike; the ratio of the medians is the figure.
    Also per model: ATen ops per forward (with several threads, each is a fork/join of the thread
    pool) and minor page faults per forward (fresh zero-filled pages), two load-independent costs.
+   Which model gets fresh pages depends on glibc's allocation history in the process;
+   ``--steady-malloc`` makes glibc keep freed memory, so neither does (benchmarks/_ratio_runs.py).
 2. one FFN on the input it really gets (the first block's, e.g. 32 x 197 tokens x 192 channels for
    DeiT-T): the AFBO layer against timm's Mlp it replaces, interleaved, median ms per call.
 3. each channel map (OCCM with G2, GCCM with G1, block-wise with G2, dense) on the same rows,
@@ -46,7 +49,8 @@ from vitblocks.layers.channel_maps import create_channel_map, map_cost
 from vitblocks.models import find_ffn_slots
 from vitblocks.profile import fixed_threads, input_size_of
 
-from _ratio_runs import forward_costs, interleaved_runs, target_line
+from _ratio_runs import (add_malloc_option, apply_malloc_option, fault_note, forward_costs, interleaved_runs,
+                         target_line)
 
 TARGET = 1.08  # AFBO-T / DeiT-T median latency, batch 32 (issue 15)
 
@@ -70,6 +74,7 @@ def parse_args(argv=None):
     p.add_argument('--chunk-max-threads', type=int,
                    help=f'AFBO.inference_chunk_max_threads: slice only with at most this many threads '
                         f'(default {AFBO.inference_chunk_max_threads})')
+    add_malloc_option(p)
     return p.parse_args(argv)
 
 
@@ -123,6 +128,9 @@ def end_to_end(args) -> None:
     for name, r in res.items():
         print(f'  {name:34s} {r.median_ms:8.1f} {r.p10_ms:8.1f} {r.p90_ms:8.1f} {r.images_per_s:7.1f} '
               f'{r.median_ms / base:11.3f}x {costs[name][0]:8d} {costs[name][1]:10d}')
+    note = fault_note({n: c[1] for n, c in costs.items()}, args.steady_malloc)
+    if note:
+        print('  ' + note)
     ratios = [r[afbo_name].median_ms / r[base_name].median_ms for r in runs]
     print('  ' + target_line(f'{afbo_name} / {base_name} latency, batch {args.batch_size}, {args.threads} thread(s)',
                              ratios, TARGET, at_least=False))
@@ -165,13 +173,14 @@ def layers(args) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    allocator = apply_malloc_option(args)
     if args.chunk_bytes is not None:
         AFBO.inference_chunk_bytes = args.chunk_bytes
     if args.chunk_max_threads is not None:
         AFBO.inference_chunk_max_threads = args.chunk_max_threads
     load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan')
     print(f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {load:.1f}; '
-          f'torch {torch.__version__}, {args.threads} thread(s), AFBO.inference_chunk_bytes '
+          f'torch {torch.__version__}, {args.threads} thread(s), {allocator}, AFBO.inference_chunk_bytes '
           f'{AFBO.inference_chunk_bytes} per thread' + (f' up to {AFBO.inference_chunk_max_threads} thread(s)'
                                               if AFBO.inference_chunk_max_threads else ''))
     torch.manual_seed(0)

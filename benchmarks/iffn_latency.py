@@ -5,6 +5,7 @@ Command (results and discussion: docs/iffn_speed.md):
     .venv/bin/python benchmarks/iffn_latency.py                 # eager: training form, deployed
     .venv/bin/python benchmarks/iffn_latency.py --compile       # + torch.compile of both models
     .venv/bin/python benchmarks/iffn_latency.py --threads 2 --runs 5 --breakdown-repeats 0   # target, 5 runs
+    .venv/bin/python benchmarks/iffn_latency.py --threads 2 --runs 5 --breakdown-repeats 0 --steady-malloc
 
 Target (issue 15): the deployed IFFN-S at most 0.95x the latency of DeiT-S at batch 32; the line
 after the eager table gives the verdict on the median over ``--runs`` interleaved runs (model
@@ -29,7 +30,6 @@ drift and other load on the machine hit every model alike:
    timestamps come in 4 ms steps.
 """
 import argparse
-import ctypes
 import platform
 import statistics
 import time
@@ -47,7 +47,8 @@ from vitblocks.layers import IFFN
 from vitblocks.models import find_ffn_slots
 from vitblocks.profile import benchmark_models, count_macs, fixed_threads, input_size_of
 
-from _ratio_runs import does_work, forward_costs, interleaved_runs, target_line
+from _ratio_runs import (add_malloc_option, apply_malloc_option, does_work, fault_note, forward_costs,
+                         interleaved_runs, target_line)
 
 TARGET = 0.95  # deployed IFFN-S / DeiT-S median latency, batch 32 (issue 15)
 
@@ -70,20 +71,8 @@ def parse_args(argv=None):
     p.add_argument('--chunk-bytes', type=int,
                    help='IFFN.inference_chunk_bytes for the deployed model: batch slices of this many bytes of '
                         'hidden features, 0 = whole batch (default: the layer\'s, 8 MiB)')
-    p.add_argument('--glibc-no-mmap', action='store_true',
-                   help='diagnostic: make glibc malloc keep large blocks (mallopt) instead of mapping fresh, '
-                        'zero-filled pages for every big tensor; changes the process, not the models')
+    add_malloc_option(p, '--glibc-no-mmap')  # the old name of the option
     return p.parse_args(argv)
-
-
-def glibc_keep_large_blocks() -> bool:
-    """mallopt(M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=2 GiB): large tensors reuse heap memory."""
-    try:
-        libc = ctypes.CDLL('libc.so.6')
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
-    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
 
 
 def cpu_name() -> str:
@@ -229,8 +218,7 @@ def breakdown(ffns: Dict[str, tuple], repeats: int, num_threads: Optional[int]):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.glibc_no_mmap and not glibc_keep_large_blocks():
-        raise SystemExit('--glibc-no-mmap: mallopt is unavailable (not glibc?)')
+    allocator = apply_malloc_option(args)
     iffn_name, base_name = args.models
     torch.manual_seed(0)
     iffn_train = timm.create_model(iffn_name).eval()
@@ -249,8 +237,7 @@ def main(argv=None):
         rel = ((deployed(x) - ref).abs().max() / ref.abs().max()).item()
     macs_iffn, macs_base = count_macs(iffn_train).total, count_macs(baseline).total
 
-    print(f'torch {torch.__version__}, timm {timm.__version__}, {cpu_name()}, {threads} threads'
-          f'{", glibc malloc keeps large blocks (--glibc-no-mmap)" if args.glibc_no_mmap else ""}')
+    print(f'torch {torch.__version__}, timm {timm.__version__}, {cpu_name()}, {threads} threads, {allocator}')
     print(f'{iffn_name} vs {base_name}: batch {args.batch_size} x {"x".join(map(str, size))}, inference mode '
           f'(eval + torch.inference_mode), {args.warmup} warm-up + {args.repeats} timed batches per model, interleaved')
     print(f'MACs per image: {macs_iffn / 1e9:.3f} G vs {macs_base / 1e9:.3f} G = {macs_iffn / macs_base:.3f}x; '
@@ -269,6 +256,10 @@ def main(argv=None):
     print('eager, ms per batch of', args.batch_size, f'(the last of {args.runs} runs)' if args.runs > 1 else '')
     print(table(LATENCY_HEADER + ['ops/forward', 'faults/forward'],
                 latency_rows(runs[-1], f'{base_name} (baseline)', costs)))
+    note = fault_note({name: c[1] for name, c in costs.items() if name != f'{iffn_name} (training form, eval)'},
+                      args.steady_malloc)
+    if note:
+        print(note)
     ratios = [r[f'{iffn_name} (deployed)'].median_ms / r[f'{base_name} (baseline)'].median_ms for r in runs]
     print(target_line(f'deployed {iffn_name} / {base_name} latency, batch {args.batch_size}, {threads} thread(s)',
                       ratios, TARGET, at_least=False))

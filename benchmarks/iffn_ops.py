@@ -2,7 +2,7 @@
 
 Command:
 
-    .venv/bin/python benchmarks/iffn_ops.py [--threads N] [--glibc-no-mmap]
+    .venv/bin/python benchmarks/iffn_ops.py [--threads N] [--steady-malloc]
 
 Times, on the tensors one IFFN block of iffn_deit_small sees at batch 32 (B=32, N=196 tokens,
 C=384, C'=4C=1536; a C'-wide fp32 tensor is 38.5 MB), the ops the design choices hinge on:
@@ -21,17 +21,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from iffn_latency import glibc_keep_large_blocks  # noqa: E402
+from _ratio_runs import add_malloc_option, apply_malloc_option  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--threads', type=int, help="torch intra-op threads (default: torch's default)")
     p.add_argument('--repeats', type=int, default=15)
-    p.add_argument('--glibc-no-mmap', action='store_true', help='diagnostic: glibc keeps large blocks (mallopt)')
+    add_malloc_option(p, '--glibc-no-mmap')  # the old name of the option
     args = p.parse_args(argv)
-    if args.glibc_no_mmap and not glibc_keep_large_blocks():
-        raise SystemExit('--glibc-no-mmap: mallopt is unavailable')
+    allocator = apply_malloc_option(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -90,7 +89,7 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 f()
                 times[k].append((time.perf_counter() - t0) * 1e3)
-    print(f'{torch.get_num_threads()} threads{", glibc keeps large blocks" if args.glibc_no_mmap else ""}; '
+    print(f'{torch.get_num_threads()} threads, {allocator}; '
           f'B={B} N={H * W} C={C}; median ms per call over {args.repeats}')
     width = max(map(len, ops))
     for k, v in times.items():

@@ -108,6 +108,8 @@ def test_documented_command_runs(command, documented_error, shell, scratch, monk
     state['cwd'] = Path.cwd()
     argv = shlex.split(command.replace('/path/to/data', str(data_root)))[1:]
     argv += BUDGET.get(' '.join(argv[:2]), BUDGET.get(argv[0], []))
+    # mallopt would change this test process for good; tests/test_allocator.py runs it in a child process
+    monkeypatch.setattr('vitblocks.cli.bench.steady_malloc', lambda: 'as in the docs')
     with fixed_threads(1):
         code = cli.main(argv)  # an uncaught exception fails the test with its traceback
     out, err = capsys.readouterr()

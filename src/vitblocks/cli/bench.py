@@ -8,8 +8,8 @@ from timm.utils import reparameterize_model
 
 from ..deploy.io import model_sizes
 from ..experiments.runlog import write_json
-from ..profile import (AMP_DTYPES, COMPILE_MODES, BenchOptionError, amp_kernel_note, benchmark_models,
-                       check_bench_options, count_params, input_size_of, timm_record)
+from ..profile import (AMP_DTYPES, COMPILE_MODES, AllocatorError, BenchOptionError, amp_kernel_note, benchmark_models,
+                       check_bench_options, count_params, input_size_of, steady_malloc, timm_record)
 from .common import (CliError, add_model_size_args, build_model, check_writable_file, model_size_kwargs,
                      non_negative_int, parse_block_cfg, positive_int, render_table, resolve)
 from .export import deployed_model
@@ -25,6 +25,7 @@ examples:
   vitblocks bench repa_deit_base_patch16_224 --baseline deit_base_patch16_224 --reparam --device cuda \\
       --batch-size 128 --amp bf16 --compile --json repa_b.json
   vitblocks bench repa_deit_tiny_patch16_224 --weights deployed.safetensors --baseline deit_tiny_patch16_224
+  vitblocks bench afbo_deit_tiny_patch16_224 --baseline deit_tiny_patch16_224 --threads 2 --steady-malloc
 
 --num-classes / --img-size build MODEL and the baseline alike; --weights (a deployed safetensors file,
 implies --reparam) brings its own, which the baseline is then built with.
@@ -35,6 +36,9 @@ ms per batch (median, p10, p90 over --repeats batches): wall clock on the CPU, C
 median time (< 1 is faster). --compile compiles each model first (the first call, timed apart);
 --json writes one record per model with timm benchmark.py's fields (infer_samples_per_sec,
 infer_step_time, ..., param_count: timm's samples/s is batch / mean time) plus ours.
+On the CPU, glibc's malloc hands large activations out as fresh pages the kernel zero-fills, to one
+model more than the other depending on the process's allocation history; --steady-malloc makes it
+keep freed memory (as a caching allocator such as jemalloc would), so the ratio compares compute.
 """
 
 
@@ -65,6 +69,9 @@ def add_parser(subparsers) -> None:
     p.add_argument('--channels-last', action='store_true', help='model and input in channels-last memory format')
     p.add_argument('--compile', action='store_true', help='torch.compile every model (inductor) before timing')
     p.add_argument('--compile-mode', choices=COMPILE_MODES, help="torch.compile's mode (default: torch's default)")
+    p.add_argument('--steady-malloc', action='store_true',
+                   help='CPU: glibc keeps every freed block (no fresh zero-filled pages after warm-up, for any '
+                        'model; vitblocks.profile.steady_malloc)')
     p.add_argument('--json', metavar='PATH', help="also write the results as JSON, in timm benchmark.py's fields")
     p.add_argument('--block-cfg', nargs='+', metavar='KEY=VALUE',
                    help='override the block config of MODEL (a vitblocks model), e.g. kernel_size=5')
@@ -76,6 +83,9 @@ def _check_args(args) -> None:
         raise CliError('--reparam gives an inference-only model; drop --train or --reparam')
     if args.weights and args.train:
         raise CliError('--weights loads a deployed (inference-only) model; drop --train or --weights')
+    if args.steady_malloc and args.device.split(':')[0] != 'cpu':
+        raise CliError(f'--steady-malloc changes how host (CPU) memory is reused; it does nothing on '
+                       f'--device {args.device}: drop it')
     try:
         check_bench_options(args.device, args.amp, args.compile, args.compile_mode)
     except BenchOptionError as e:
@@ -103,6 +113,12 @@ def _models(args, name, baseline):
 
 def run(args) -> int:
     _check_args(args)
+    allocator = None
+    if args.steady_malloc:  # before any model or batch is allocated
+        try:
+            allocator = f'steady malloc (glibc {steady_malloc()})'
+        except AllocatorError as e:
+            raise CliError(f'--steady-malloc: {e}') from None
     name = resolve(args.model)
     baseline = resolve(args.baseline) if args.baseline else None
     models = _models(args, name, baseline)
@@ -122,7 +138,7 @@ def run(args) -> int:
     mode = 'train (forward + backward)' if args.train else 'inference (eval + torch.inference_mode)'
     options = [f'amp {args.amp}' if args.amp else 'fp32', 'channels-last' if args.channels_last else '',
                f'torch.compile (mode {args.compile_mode or "default"})' if args.compile else '',
-               'reparameterized' if args.reparam or args.weights else '']
+               'reparameterized' if args.reparam or args.weights else '', allocator or '']
     print(f'batch {args.batch_size} x {size[0]}x{size[1]}x{size[2]} on {where}, {mode}, '
           f'{", ".join(o for o in options if o)}')
     print(f'{args.warmup} warm-up + {args.repeats} timed batches per model, interleaved; times in ms per batch'
@@ -155,6 +171,7 @@ def _write_json(args, results, params, size, ref, device) -> None:
                 'device_name': torch.cuda.get_device_name(device) if device.type == 'cuda' else
                 platform.processor() or platform.machine(),
                 'threads': None if device.type == 'cuda' else args.threads or torch.get_num_threads(),
+                'steady_malloc': args.steady_malloc,
                 'warmup': args.warmup, 'repeats': args.repeats, 'torch': torch.__version__, 'timm': timm.__version__}
     records = []
     for label, r in results.items():
