@@ -49,25 +49,6 @@ def apply_malloc_option(args) -> str:
     return f'steady malloc (glibc {version}: no mmapped blocks, no trimming)'
 
 
-FAULTS_NOTED = 1000  # minor page faults per forward (4 MiB of fresh pages) where the note below starts
-
-
-def fault_note(faults: Dict[str, int], steady: bool = False) -> str:
-    """A warning line when the models' fresh pages per forward differ by ``FAULTS_NOTED`` or more, else ''.
-
-    Such a difference comes from glibc's allocation history in the process, not from the models,
-    and moves the ratio by as much as their page faults cost (DeiT-S 2316 ms with 217,446 faults per
-    forward, 1859 ms with none). With ``steady`` (``--steady-malloc`` on) the pages are the heap's growth."""
-    if max(faults.values()) - min(faults.values()) < FAULTS_NOTED:
-        return ''
-    most = max(faults, key=faults.get)
-    least = min(faults, key=faults.get)
-    head = f'note: {most} took {faults[most]:,} fresh pages per forward and {least} {faults[least]:,}'
-    if steady:
-        return head + ' (with --steady-malloc on: the heap grew during that forward)'
-    return head + ': the ratio includes glibc zero-filling them; --steady-malloc compares compute'
-
-
 def load_average() -> str:
     return f'{os.getloadavg()[0]:.1f}' if hasattr(os, 'getloadavg') else 'n/a'
 

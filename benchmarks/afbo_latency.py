@@ -47,9 +47,9 @@ import vitblocks  # noqa: F401  (registers the afbo_* models with timm)
 from vitblocks.layers.afbo import AFBO
 from vitblocks.layers.channel_maps import create_channel_map, map_cost
 from vitblocks.models import find_ffn_slots
-from vitblocks.profile import fixed_threads, input_size_of
+from vitblocks.profile import fault_note, fixed_threads, input_size_of
 
-from _ratio_runs import (add_malloc_option, apply_malloc_option, fault_note, forward_costs, interleaved_runs,
+from _ratio_runs import (add_malloc_option, apply_malloc_option, forward_costs, interleaved_runs,
                          target_line)
 
 TARGET = 1.08  # AFBO-T / DeiT-T median latency, batch 32 (issue 15)

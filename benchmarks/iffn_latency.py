@@ -45,9 +45,9 @@ import vitblocks  # noqa: F401  (registers the iffn_* models with timm)
 from vitblocks.deploy import reparameterize
 from vitblocks.layers import IFFN
 from vitblocks.models import find_ffn_slots
-from vitblocks.profile import benchmark_models, count_macs, fixed_threads, input_size_of
+from vitblocks.profile import benchmark_models, count_macs, fault_note, fixed_threads, input_size_of
 
-from _ratio_runs import (add_malloc_option, apply_malloc_option, does_work, fault_note, forward_costs,
+from _ratio_runs import (add_malloc_option, apply_malloc_option, does_work, forward_costs,
                          interleaved_runs, target_line)
 
 TARGET = 0.95  # deployed IFFN-S / DeiT-S median latency, batch 32 (issue 15)

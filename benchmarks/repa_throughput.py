@@ -39,9 +39,9 @@ import torch
 
 import vitblocks  # noqa: F401  (registers the repa_* models)
 from vitblocks.deploy import reparameterize
-from vitblocks.profile import count_macs, fixed_threads
+from vitblocks.profile import count_macs, fault_note, fixed_threads
 
-from _ratio_runs import (add_malloc_option, apply_malloc_option, fault_note, forward_costs, interleaved_runs,
+from _ratio_runs import (add_malloc_option, apply_malloc_option, forward_costs, interleaved_runs,
                          load_average, target_line)
 
 SIZES = ('tiny', 'small', 'base')

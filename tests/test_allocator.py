@@ -14,7 +14,7 @@ import pytest
 import vitblocks.cli as cli
 from vitblocks.cli import bench as bench_cli
 from vitblocks.profile import allocator
-from vitblocks.profile.allocator import AllocatorError, steady_malloc
+from vitblocks.profile.allocator import FAULTS_NOTED, AllocatorError, fault_note, steady_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, 'PYTHONPATH': str(ROOT / 'src')}
@@ -103,7 +103,7 @@ def test_bench_steady_malloc_errors_are_one_line(monkeypatch, capsys):
     pytest.param('iffn_latency.py', ['--models', 'iffn_deit_tiny_patch16_224', 'deit_tiny_patch16_224',
                                      '--threads', '1', '--breakdown-repeats', '0'], marks=pytest.mark.slow),
 ])
-def test_benchmark_scripts_take_steady_malloc(script, args, monkeypatch):
+def test_benchmark_scripts_take_steady_malloc(script, args):
     """The option reaches the benchmark scripts: header, target line, and a faults/fwd column below the
     scripts' note threshold for every model (the heap may still grow by a few pages in a forward; the
     exact check is test_steady_malloc_reuses_touched_pages)."""
@@ -117,14 +117,10 @@ def test_benchmark_scripts_take_steady_malloc(script, args, monkeypatch):
     model_rows = [line for line in text.splitlines() if re.search(r'deit_tiny|DeiT-base', line)
                   and re.search(r'\d\s*$', line) and 'target' not in line]
     assert len(model_rows) >= 2, text
-    monkeypatch.syspath_prepend(str(ROOT / 'benchmarks'))
-    from _ratio_runs import FAULTS_NOTED
     assert all(int(line.split()[-1]) < FAULTS_NOTED for line in model_rows), model_rows
 
 
-def test_a_fault_difference_between_models_is_pointed_out(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / 'benchmarks'))
-    from _ratio_runs import FAULTS_NOTED, fault_note
+def test_a_fault_difference_between_models_is_pointed_out():
     note = fault_note({'afbo_deit_tiny_patch16_224': 0, 'deit_tiny_patch16_224': 114270})
     assert note.startswith('note: deit_tiny_patch16_224 took 114,270 fresh pages per forward and '
                            'afbo_deit_tiny_patch16_224 0:') and note.endswith('--steady-malloc compares compute')

@@ -199,3 +199,36 @@ def test_timm_record_follows_timm_benchmark():
     assert rec['vs_baseline'] == 0.5 and rec['speedup_vs_baseline'] == 2.0
     assert set(timm_record(r, 1, 32, train=True)) >= {'train_samples_per_sec', 'train_step_time', 'train_batch_size'}
     assert statistics.median(r.times_ms) == r.median_ms
+
+
+def test_cpu_runs_count_the_fresh_pages_of_each_timed_batch(monkeypatch):
+    """Each timed CPU batch records the minor page faults around its step (not around warm-up)."""
+    counter = iter(range(0, 10_000, 100))  # every read of the fault counter: 100 more than the last
+    monkeypatch.setattr(latency, 'minor_page_faults', lambda: next(counter))
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    res = benchmark_models({'a': Model(), 'b': Model()}, batch_size=1, input_size=(1, 2, 2), warmup=2, repeats=3)
+    assert res['a'].page_faults == [100] * 3 and res['b'].page_faults == [100] * 3
+    assert res['a'].median_page_faults == 100
+    assert timm_record(res['a'], 1, 2)['infer_page_faults'] == 100
+    assert LatencyResult('gpu', 1, [1.0]).median_page_faults is None  # CUDA runs record none
+    assert timm_record(LatencyResult('gpu', 1, [1.0]), 1, 2)['infer_page_faults'] is None
+
+
+def test_bench_points_out_models_whose_fresh_pages_differ(monkeypatch, capsys):
+    from vitblocks.cli import bench as bench_cli
+
+    def fake_run(models, batch_size, **kwargs):
+        pages = {0: 0, 1: 114_270}
+        return {name: LatencyResult(name, batch_size, [10.0], page_faults=[pages[i]]) for i, name in enumerate(models)}
+    monkeypatch.setattr(bench_cli, 'benchmark_models', fake_run)
+    argv = ['bench', 'afbo_deit_tiny_patch16_224', '--baseline', 'deit_tiny_patch16_224', '--img-size', '32',
+            '--num-classes', '10']
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert 'fresh pages' in out and '114,270' in out
+    assert ('note: deit_tiny_patch16_224 (baseline) took 114,270 fresh pages per batch and afbo_deit_tiny_patch16_224 '
+            '0: the ratio includes glibc zero-filling them; --steady-malloc compares compute') in out

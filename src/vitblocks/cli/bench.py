@@ -9,7 +9,7 @@ from timm.utils import reparameterize_model
 from ..deploy.io import model_sizes
 from ..experiments.runlog import write_json
 from ..profile import (AMP_DTYPES, COMPILE_MODES, AllocatorError, BenchOptionError, amp_kernel_note, benchmark_models,
-                       check_bench_options, count_params, input_size_of, steady_malloc, timm_record)
+                       check_bench_options, count_params, fault_note, input_size_of, steady_malloc, timm_record)
 from .common import (CliError, add_model_size_args, build_model, check_writable_file, model_size_kwargs,
                      non_negative_int, parse_block_cfg, positive_int, render_table, resolve)
 from .export import deployed_model
@@ -33,8 +33,9 @@ implies --reparam) brings its own, which the baseline is then built with.
 Models run one timed batch each per round (interleaved), so machine drift hits them alike. Times are
 ms per batch (median, p10, p90 over --repeats batches): wall clock on the CPU, CUDA events on a GPU
 (after synchronizing). images/s is batch size / median. "vs baseline" is median time / baseline
-median time (< 1 is faster). --compile compiles each model first (the first call, timed apart);
---json writes one record per model with timm benchmark.py's fields (infer_samples_per_sec,
+median time (< 1 is faster); on the CPU "fresh pages" is the median of the minor page faults of a
+timed batch (pages the kernel zero-filled). --compile compiles each model first (the first call,
+timed apart); --json writes one record per model with timm benchmark.py's fields (infer_samples_per_sec,
 infer_step_time, ..., param_count: timm's samples/s is batch / mean time) plus ours.
 On the CPU, glibc's malloc hands large activations out as fresh pages the kernel zero-fills, to one
 model more than the other depending on the process's allocation history; --steady-malloc makes it
@@ -150,13 +151,18 @@ def run(args) -> int:
         print('compile (first call): ' + ', '.join(f'{k} {r.compile_s:.1f} s' for k, r in results.items()))
 
     ref = results[f'{baseline} (baseline)'] if baseline else None
+    cpu = device.type == 'cpu'
     rows = []
     for label, r in results.items():
         ratio = f'{r.median_ms / ref.median_ms:.2f}x' if ref else '-'
         rows.append([label, f'{r.median_ms:.1f}', f'{r.p10_ms:.1f}', f'{r.p90_ms:.1f}', f'{r.images_per_s:.1f}',
-                     ratio])
-    print('\n'.join(render_table(['model', 'median ms', 'p10 ms', 'p90 ms', 'images/s', 'vs baseline'], rows,
-                                 'lrrrrr')))
+                     ratio] + ([f'{r.median_page_faults:,}'] if cpu else []))
+    header = ['model', 'median ms', 'p10 ms', 'p90 ms', 'images/s', 'vs baseline'] + (['fresh pages'] if cpu else [])
+    print('\n'.join(render_table(header, rows, 'l' + 'r' * (len(header) - 1))))
+    note = fault_note({k: r.median_page_faults for k, r in results.items()}, args.steady_malloc, 'batch') \
+        if cpu else ''
+    if note:
+        print(note)
     if args.json:
         _write_json(args, results, params, size, ref, device)
     return 0

@@ -19,11 +19,13 @@ float16), ``channels_last`` (model and input in NHWC memory format) and ``compil
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
+
+from .allocator import minor_page_faults
 
 __all__ = ['LatencyResult', 'benchmark_models', 'fixed_threads', 'check_bench_options', 'BenchOptionError',
            'amp_kernel_note', 'step_timer', 'AMP_DTYPES',
@@ -40,6 +42,12 @@ class LatencyResult:
     batch_size: int
     times_ms: List[float]
     compile_s: Optional[float] = None  # the first (compiling) call, with compile=True
+    page_faults: List[int] = field(default_factory=list)  # CPU: minor page faults of each timed batch
+
+    @property
+    def median_page_faults(self) -> Optional[int]:
+        """Fresh pages the kernel zero-filled in a timed batch (median; CPU runs only, else None)."""
+        return int(statistics.median(self.page_faults)) if self.page_faults else None
 
     @property
     def median_ms(self) -> float:
@@ -254,6 +262,7 @@ def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_s
             runnable[name] = torch.compile(m, mode=None if compile_mode == 'default' else compile_mode) \
                 if compile else m
         timer = step_timer(dev)
+        faults = minor_page_faults if dev.type == 'cpu' else None
         ctx = torch.enable_grad if train else torch.inference_mode
         with ctx():
             if compile:
@@ -268,9 +277,12 @@ def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_s
                 for name, m in runnable.items():
                     if train:
                         models[name].zero_grad(set_to_none=True)
+                    before = faults() if faults else 0
                     timer.start()
                     step(m)
                     results[name].times_ms.append(timer.stop())
+                    if faults:
+                        results[name].page_faults.append(faults() - before)
     return results
 
 
@@ -295,6 +307,7 @@ def timm_record(result: LatencyResult, param_count: int, img_size: int, train: b
         f'{p}_p10_ms': round(result.p10_ms, 3),
         f'{p}_p90_ms': round(result.p90_ms, 3),
         f'{p}_compile_s': None if result.compile_s is None else round(result.compile_s, 2),
+        f'{p}_page_faults': result.median_page_faults,  # CPU: fresh pages of a timed batch (median); else None
     }
     if baseline is not None:
         record['vs_baseline'] = round(result.median_ms / baseline.median_ms, 4)  # < 1: faster than the baseline
