@@ -41,8 +41,7 @@ import vitblocks  # noqa: F401  (registers the repa_* models)
 from vitblocks.deploy import reparameterize
 from vitblocks.profile import count_macs, fault_note, fixed_threads
 
-from _ratio_runs import (add_malloc_option, apply_malloc_option, forward_costs, interleaved_runs,
-                         load_average, target_line)
+from _ratio_runs import add_malloc_option, apply_malloc_option, interleaved_runs, load_average, target_line
 
 SIZES = ('tiny', 'small', 'base')
 TARGET = 1.80  # deployed RePa-DeiT-B / vanilla DeiT-B images/s (issue 15)
@@ -87,9 +86,7 @@ def main(argv=None):
     runs = interleaved_runs(models, args.runs, batch_size=args.batch_size, input_size=(3, 224, 224),
                             warmup=args.warmup, repeats=args.repeats, num_threads=args.threads)
     results = runs[-1]
-    with fixed_threads(args.threads):
-        x = torch.randn(args.batch_size, 3, 224, 224)
-        faults = {label: forward_costs(m, x)[1] for label, m in models.items()}
+    faults = {label: r.median_page_faults for label, r in results.items()}  # of the timed batches, not extra ones
     header = f'{"model":<26} {"GMACs":>6} {"median ms":>10} {"p10-p90 ms":>15} {"img/s":>8} {"vs vanilla":>10} ' \
              f'{"(p10 ratio)":>11} {"MACs vs vanilla":>15} {"faults/fwd":>10}'
     print(header)
@@ -106,7 +103,7 @@ def main(argv=None):
                   f'{r.images_per_s:8.1f} {ratio:9.2f}x {f"({base.p10_ms / r.p10_ms:.2f}x)":>11} '
                   f'{macs[label] / macs[f"DeiT-{size}"]:14.2f}x {faults[label]:10d}')
     print('vs vanilla: ratio of images/s (median times); (p10 ratio): of the 10th-percentile times, which other '
-          'load on the machine disturbs less; faults/fwd: minor page faults of one more forward after the run')
+          'load on the machine disturbs less; faults/fwd: minor page faults of a timed batch (median, last run)')
     print()
     trend = ', '.join(f'{s} {speedups[s]:.2f}x' for s in args.sizes)
     grows = all(speedups[a] < speedups[b] for a, b in zip(args.sizes, args.sizes[1:]))
