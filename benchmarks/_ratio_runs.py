@@ -8,13 +8,13 @@ state it left) is not always the same one.
 """
 import os
 import statistics
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vitblocks.profile import AllocatorError, LatencyResult, benchmark_models, minor_page_faults, steady_malloc
+from vitblocks.profile import AllocatorError, LatencyResult, benchmark_models, steady_malloc
 
 
 def interleaved_runs(models: Dict[str, nn.Module], runs: int, **bench_kwargs) -> List[Dict[str, LatencyResult]]:
@@ -88,16 +88,14 @@ class _OpCounter(TorchDispatchMode):
 
 
 @torch.inference_mode()
-def forward_costs(model: nn.Module, x: torch.Tensor) -> Tuple[int, int]:
-    """``(ATen ops, minor page faults)`` of one inference forward, two numbers other load does not
-    change: with several intra-op threads every op that does work is a fork/join of the thread pool
-    (each one waits for a descheduled thread), and every minor fault is a fresh page the kernel
-    zero-fills (glibc maps large blocks anew, depending on its dynamic mmap threshold)."""
+def forward_ops(model: nn.Module, x: torch.Tensor) -> int:
+    """ATen ops that do work in one inference forward, a cost other load does not change: with several
+    intra-op threads each is a fork/join of the thread pool (each one waits for a descheduled thread).
+    The other such cost, the fresh pages the kernel zero-fills, is measured in every timed batch
+    (``LatencyResult.page_faults``)."""
     model.eval()
     model(x)  # warm: lazy inits, oneDNN primitive caches
     counter = _OpCounter()
     with counter:
         model(x)
-    faults = minor_page_faults()
-    model(x)
-    return counter.ops, minor_page_faults() - faults
+    return counter.ops

@@ -17,7 +17,8 @@ What is measured, all in inference mode (eval + torch.inference_mode), wall-cloc
    baseline, measured interleaved batch by batch in one run (vitblocks.profile.benchmark_models),
    so drift and other load on the machine hit both alike; the ratio of the medians is the figure.
    Also per model: ATen ops per forward (with several threads, each is a fork/join of the thread
-   pool) and minor page faults per forward (fresh zero-filled pages), two load-independent costs.
+   pool) and minor page faults per forward (fresh zero-filled pages; the median of the last run's
+   timed batches), two load-independent costs.
    Which model gets fresh pages depends on glibc's allocation history in the process;
    ``--steady-malloc`` makes glibc keep freed memory, so neither does (benchmarks/_ratio_runs.py).
 2. one FFN on the input it really gets (the first block's, e.g. 32 x 197 tokens x 192 channels for
@@ -49,8 +50,7 @@ from vitblocks.layers.channel_maps import create_channel_map, map_cost
 from vitblocks.models import find_ffn_slots
 from vitblocks.profile import fault_note, fixed_threads, input_size_of
 
-from _ratio_runs import (add_malloc_option, apply_malloc_option, forward_costs, interleaved_runs,
-                         target_line)
+from _ratio_runs import add_malloc_option, apply_malloc_option, forward_ops, interleaved_runs, target_line
 
 TARGET = 1.08  # AFBO-T / DeiT-T median latency, batch 32 (issue 15)
 
@@ -118,8 +118,9 @@ def end_to_end(args) -> None:
     runs = interleaved_runs(models, args.runs, batch_size=args.batch_size, input_size=size,
                             warmup=args.warmup, repeats=args.repeats, num_threads=args.threads)
     with fixed_threads(args.threads):
-        costs = {n: forward_costs(m, torch.randn(args.batch_size, *size)) for n, m in models.items()}
+        ops = {n: forward_ops(m, torch.randn(args.batch_size, *size)) for n, m in models.items()}
     res = runs[-1]
+    faults = {n: r.median_page_faults for n, r in res.items()}  # of the timed batches
     base = res[base_name].median_ms
     print(f'\n1. end to end, batch {args.batch_size}, {args.repeats} interleaved batches per model, ms per batch'
           + (f' (the last of {args.runs} runs)' if args.runs > 1 else ''))
@@ -127,8 +128,8 @@ def end_to_end(args) -> None:
           f'{"ops/fwd":>8s} {"faults/fwd":>10s}')
     for name, r in res.items():
         print(f'  {name:34s} {r.median_ms:8.1f} {r.p10_ms:8.1f} {r.p90_ms:8.1f} {r.images_per_s:7.1f} '
-              f'{r.median_ms / base:11.3f}x {costs[name][0]:8d} {costs[name][1]:10d}')
-    note = fault_note({n: c[1] for n, c in costs.items()}, args.steady_malloc)
+              f'{r.median_ms / base:11.3f}x {ops[name]:8d} {faults[name]:10d}')
+    note = fault_note(faults, args.steady_malloc)
     if note:
         print('  ' + note)
     ratios = [r[afbo_name].median_ms / r[base_name].median_ms for r in runs]

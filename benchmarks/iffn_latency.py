@@ -47,8 +47,8 @@ from vitblocks.layers import IFFN
 from vitblocks.models import find_ffn_slots
 from vitblocks.profile import benchmark_models, count_macs, fault_note, fixed_threads, input_size_of
 
-from _ratio_runs import (add_malloc_option, apply_malloc_option, does_work, forward_costs,
-                         interleaved_runs, target_line)
+from _ratio_runs import (add_malloc_option, apply_malloc_option, does_work, forward_ops, interleaved_runs,
+                         target_line)
 
 TARGET = 0.95  # deployed IFFN-S / DeiT-S median latency, batch 32 (issue 15)
 
@@ -252,7 +252,8 @@ def main(argv=None):
                             repeats=args.repeats, num_threads=args.threads)
     x = torch.randn(args.batch_size, *size)
     with fixed_threads(args.threads):
-        costs = {name: forward_costs(m, x) for name, m in models.items()}
+        # (ops, fresh pages) per forward; the pages of the last run's timed batches (median)
+        costs = {name: (forward_ops(m, x), runs[-1][name].median_page_faults) for name, m in models.items()}
     print('eager, ms per batch of', args.batch_size, f'(the last of {args.runs} runs)' if args.runs > 1 else '')
     print(table(LATENCY_HEADER + ['ops/forward', 'faults/forward'],
                 latency_rows(runs[-1], f'{base_name} (baseline)', costs)))
