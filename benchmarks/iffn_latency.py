@@ -6,6 +6,8 @@ Command (results and discussion: docs/iffn_speed.md):
     .venv/bin/python benchmarks/iffn_latency.py --compile       # + torch.compile of both models
     .venv/bin/python benchmarks/iffn_latency.py --threads 2 --runs 5 --breakdown-repeats 0   # target, 5 runs
     .venv/bin/python benchmarks/iffn_latency.py --threads 2 --runs 5 --breakdown-repeats 0 --steady-malloc
+    .venv/bin/python benchmarks/iffn_latency.py --threads 2 --breakdown-repeats 0 --steady-malloc \
+        --compile --compile-chunk-bytes 8388608 16777216    # + compiled with batch slices kept
 
 Target (issue 15): the deployed IFFN-S at most 0.95x the latency of DeiT-S at batch 32; the line
 after the eager table gives the verdict on the median over ``--runs`` interleaved runs (model
@@ -21,7 +23,9 @@ drift and other load on the machine hit every model alike:
    * the baseline (also passed through ``reparameterize``; DeiT has nothing to fold),
    and the ratios IFFN / baseline;
 2. with ``--compile``: ``torch.compile`` of the deployed IFFN model and of the baseline, same
-   protocol, so the ratio compares compiled with compiled;
+   protocol, so the ratio compares compiled with compiled; ``--compile-chunk-bytes B [B ...]`` adds
+   the compiled deployed model with its batch slices of B bytes kept while torch.compile traces (the
+   layer itself runs the whole batch when compiled, ``batch_slice_size``), in the same interleaved run;
 3. a per-component breakdown of one FFN (the first block's, on the input it really receives,
    e.g. 32 x 196 tokens x 384 channels for iffn_deit_small): every ATen op the FFN runs is timed
    wall-clock (median over repeats, ms per batch) and attributed to a component in execution
@@ -30,11 +34,14 @@ drift and other load on the machine hit every model alike:
    timestamps come in 4 ms steps.
 """
 import argparse
+import copy
 import platform
 import statistics
 import time
 from collections import defaultdict
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Dict, List, Optional
+from unittest import mock
 
 import timm
 import torch
@@ -44,6 +51,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vitblocks  # noqa: F401  (registers the iffn_* models with timm)
 from vitblocks.deploy import reparameterize
 from vitblocks.layers import IFFN
+from vitblocks.layers import iffn as iffn_layer
+from vitblocks.layers.layout import slice_step
 from vitblocks.models import find_ffn_slots
 from vitblocks.profile import benchmark_models, count_macs, fault_note, fixed_threads, input_size_of
 
@@ -71,8 +80,35 @@ def parse_args(argv=None):
     p.add_argument('--chunk-bytes', type=int,
                    help='IFFN.inference_chunk_bytes for the deployed model: batch slices of this many bytes of '
                         'hidden features, 0 = whole batch (default: the layer\'s, 8 MiB)')
+    p.add_argument('--compile-chunk-bytes', type=int, nargs='+', metavar='BYTES', default=[],
+                   help='with --compile: also time the compiled deployed model with batch slices of BYTES of hidden '
+                        'features kept while torch.compile traces (one model per value; the layer itself runs '
+                        'the whole batch when compiled)')
     add_malloc_option(p, '--glibc-no-mmap')  # the old name of the option
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.compile_chunk_bytes and not args.compile:
+        p.error('--compile-chunk-bytes times compiled models: add --compile')
+    if any(b <= 0 for b in args.compile_chunk_bytes):
+        p.error(f'--compile-chunk-bytes takes positive byte counts (the whole batch is the plain compiled row), '
+                f'got {args.compile_chunk_bytes}')
+    return args
+
+
+@contextmanager
+def slices_while_compiling():
+    """IFFN's batch slices also while torch.compile traces: the layer's ``batch_slice_size`` without its
+    compile check. Keep it on while the compiled models run (dynamo guards on the function it traced)."""
+    with mock.patch.object(iffn_layer, 'batch_slice_size', slice_step):
+        yield
+
+
+def with_chunk_bytes(model: nn.Module, chunk_bytes: int) -> nn.Module:
+    """A copy of ``model`` whose IFFN layers run batch slices of ``chunk_bytes`` (0: the whole batch)."""
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        if isinstance(m, IFFN):
+            m.inference_chunk_bytes = chunk_bytes
+    return model
 
 
 def cpu_name() -> str:
@@ -225,9 +261,7 @@ def main(argv=None):
     baseline = reparameterize(timm.create_model(base_name))
     deployed = reparameterize(iffn_train)
     if args.chunk_bytes is not None:
-        for m in deployed.modules():
-            if isinstance(m, IFFN):
-                m.inference_chunk_bytes = args.chunk_bytes
+        deployed = with_chunk_bytes(deployed, args.chunk_bytes)
     size = input_size_of(iffn_train)
     threads = args.threads or torch.get_num_threads()
 
@@ -266,18 +300,28 @@ def main(argv=None):
                       ratios, TARGET, at_least=False))
 
     if args.compile:
-        compiled = {f'{iffn_name} (deployed, compiled)': torch.compile(deployed),
-                    f'{base_name} (baseline, compiled)': torch.compile(baseline)}
-        compile_s = {}
-        with fixed_threads(args.threads), torch.inference_mode():
-            for name, m in compiled.items():
-                t0 = time.perf_counter()
-                m(torch.randn(args.batch_size, *size))
-                compile_s[name] = time.perf_counter() - t0
-        results_c = benchmark_models(compiled, batch_size=args.batch_size, input_size=size, warmup=args.warmup,
-                                     repeats=args.repeats, num_threads=args.threads)
-        print(f'\ntorch.compile (default mode, inductor), ms per batch of {args.batch_size}; first call (compile) '
-              + ', '.join(f'{n.split(" ")[0]} {s:.0f} s' for n, s in compile_s.items()))
+        # with slices kept while tracing, the plain compiled row must run the whole batch explicitly
+        eager = {f'{iffn_name} (deployed, compiled)':
+                 with_chunk_bytes(deployed, 0) if args.compile_chunk_bytes else deployed}
+        eager.update({f'{iffn_name} (deployed, compiled, {b / 2 ** 20:g} MiB slices)': with_chunk_bytes(deployed, b)
+                      for b in args.compile_chunk_bytes})
+        eager[f'{base_name} (baseline, compiled)'] = baseline
+        compiled = {name: torch.compile(m) for name, m in eager.items()}
+        compile_s, x = {}, torch.randn(args.batch_size, *size)
+        with slices_while_compiling() if args.compile_chunk_bytes else nullcontext():
+            with fixed_threads(args.threads), torch.inference_mode():
+                ref = deployed(x)
+                for name, m in compiled.items():
+                    t0 = time.perf_counter()
+                    out = m(x)
+                    compile_s[name] = time.perf_counter() - t0
+                    if name != f'{base_name} (baseline, compiled)':  # compiled = eager, sliced or not
+                        rel = ((out - ref).abs().max() / ref.abs().max()).item()
+                        print(f'{name}: max relative difference to eager {rel:.1e}')
+            results_c = benchmark_models(compiled, batch_size=args.batch_size, input_size=size, warmup=args.warmup,
+                                         repeats=args.repeats, num_threads=args.threads)
+        print(f'\ntorch.compile (default mode, inductor), ms per batch of {args.batch_size}; first call (compile): '
+              + ', '.join(f'{n} {s:.0f} s' for n, s in compile_s.items()))
         print(table(LATENCY_HEADER, latency_rows(results_c, f'{base_name} (baseline, compiled)')))
 
     if args.breakdown_repeats > 0:

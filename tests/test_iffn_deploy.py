@@ -1,5 +1,7 @@
 """IFFN deploy form: fuse() / reparameterize() equivalence, deploy-form checkpoints, timm protocol."""
 import copy
+from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import timm
@@ -72,6 +74,38 @@ def test_batch_slice_size():
         return x * 2
     torch.jit.trace(traced, torch.ones(1), check_trace=False)
     assert seen == [None]  # a traced graph must not bake in a batch size
+
+
+def test_benchmark_can_keep_slices_while_compiling(monkeypatch):
+    """benchmarks/iffn_latency.py --compile-chunk-bytes: with the compile check lifted, dynamo traces one
+    fc2 matmul per batch slice into one graph (equal numbers); by default the layer compiles unsliced."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / 'benchmarks'))
+    from iffn_latency import parse_args, slices_while_compiling
+    ffn = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1), std=0.2, batchnorm=True).eval().fuse()
+    ffn.inference_chunk_bytes = 2 * 13 * 64 * 4  # two samples per slice: 3 slices of a batch of 5
+    x = torch.randn(5, 13, 16)
+
+    def fc2_matmuls(keep_slices: bool):
+        torch._dynamo.reset()
+        graphs = []
+
+        def backend(gm, inputs):
+            graphs.append(gm)
+            return gm.forward
+        with slices_while_compiling() if keep_slices else nullcontext(), torch.inference_mode():
+            out = torch.compile(ffn, backend=backend)(x)
+            torch.testing.assert_close(out, ffn(x), rtol=1e-6, atol=1e-6)
+        assert len(graphs) == 1  # no graph break
+        return [n.target for n in graphs[0].graph.nodes if n.op == 'call_function' and n.target is torch.addmm]
+    assert fc2_matmuls(False) == []  # fc2 is one F.linear on the whole batch
+    assert fc2_matmuls(True) == [torch.addmm] * 3
+    torch._dynamo.reset()
+
+    with pytest.raises(SystemExit):
+        parse_args(['--compile-chunk-bytes', '8388608'])  # without --compile
+    with pytest.raises(SystemExit):
+        parse_args(['--compile', '--compile-chunk-bytes', '0'])  # 0 = the plain compiled row
+    assert parse_args(['--compile', '--compile-chunk-bytes', '1', '2']).compile_chunk_bytes == [1, 2]
 
 
 def test_batch_slices_give_the_same_numbers():

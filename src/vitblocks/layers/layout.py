@@ -160,7 +160,15 @@ def batch_slice_size(batch: int, per_sample_bytes: int, budget_bytes: int) -> Op
     hold about ``budget_bytes``; ``None`` for the whole batch at once: no budget, a batch that fits,
     or while ``torch.compile`` / tracing builds a graph (compilers plan memory themselves, and an
     export must keep the batch size free)."""
-    if not budget_bytes or torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None
+    return slice_step(batch, per_sample_bytes, budget_bytes)
+
+
+def slice_step(batch: int, per_sample_bytes: int, budget_bytes: int) -> Optional[int]:
+    """The arithmetic of :func:`batch_slice_size` without its compile / tracing check: samples per slice
+    of about ``budget_bytes`` (at least one), ``None`` for no budget or a batch that fits."""
+    if not budget_bytes:
         return None
     step = max(1, budget_bytes // per_sample_bytes)
     return step if step < batch else None
