@@ -53,8 +53,9 @@ from vitblocks.deploy import reparameterize
 from vitblocks.layers import IFFN
 from vitblocks.layers import iffn as iffn_layer
 from vitblocks.layers.layout import slice_step
+from vitblocks.layers.rational_gelu import RationalGELU
 from vitblocks.models import find_ffn_slots
-from vitblocks.profile import benchmark_models, count_macs, fault_note, fixed_threads, input_size_of
+from vitblocks.profile import count_macs, fault_note, fixed_threads, input_size_of
 
 from _ratio_runs import (add_malloc_option, apply_malloc_option, does_work, forward_ops, interleaved_runs,
                          target_line)
@@ -124,7 +125,8 @@ def cpu_name() -> str:
 
 def table(header: List[str], rows: List[List[str]]) -> str:
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    fmt = lambda r: '  '.join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    def fmt(r):
+        return '  '.join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     return '\n'.join([fmt(header), fmt(['-' * w for w in widths])] + [fmt(r) for r in rows])
 
 
@@ -205,7 +207,8 @@ def make_classifier(c_in: int, c_hidden: int, c_out: int):
 
 def ffn_dims(ffn: nn.Module):
     fc1, fc2 = ffn.fc1, ffn.fc2
-    dims = lambda m: (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.in_channels, m.out_channels)
+    def dims(m):
+        return (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.in_channels, m.out_channels)
     (c_in, _), (c_hidden, c_out) = dims(fc1), dims(fc2)
     return c_in, c_hidden, c_out
 
@@ -251,6 +254,69 @@ def breakdown(ffns: Dict[str, tuple], repeats: int, num_threads: Optional[int]):
 
 
 # ----------------------------------------------------------------------------- main
+
+def with_rational_gelu(model: nn.Module, rational: bool) -> nn.Module:
+    """A copy of ``model`` whose IFFN layers compute exact GELUs as ``gelu_rational`` while compiled, or not."""
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        if isinstance(m, IFFN):
+            m.compile_rational_gelu = rational
+    return model
+
+
+def baseline_with_rational_gelu(model: nn.Module) -> Optional[nn.Module]:
+    """A copy of the baseline with every exact ``nn.GELU`` replaced by ``RationalGELU`` (None if it has none):
+    the same GELU formula on both sides, so the ratio shows what the IFFN architecture alone gains."""
+    model, found = copy.deepcopy(model), False
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.GELU) and child.approximate == 'none':
+                setattr(parent, name, RationalGELU())
+                found = True
+    return model if found else None
+
+
+def compiled_rows(args, deployed: nn.Module, baseline: nn.Module, size, threads: int) -> None:
+    """``--compile``: the compiled deployed model (rational GELUs, the default; torch's GELU; batch slices
+    kept) against the compiled baseline, plain and with the rational GELU, over ``--runs`` interleaved runs."""
+    iffn_name, base_name = args.models
+    base_key = f'{base_name} (baseline, compiled)'
+    # with slices kept while tracing, the plain compiled rows must run the whole batch explicitly
+    plain = with_chunk_bytes(deployed, 0) if args.compile_chunk_bytes else deployed
+    eager = {f'{iffn_name} (deployed, compiled)': plain,
+             f'{iffn_name} (deployed, compiled, torch GELU)': with_rational_gelu(plain, False)}
+    eager.update({f'{iffn_name} (deployed, compiled, {b / 2 ** 20:g} MiB slices)': with_chunk_bytes(deployed, b)
+                  for b in args.compile_chunk_bytes})
+    eager[base_key] = baseline
+    rational_base = baseline_with_rational_gelu(baseline)
+    if rational_base is not None:
+        eager[f'{base_name} (baseline, compiled, rational GELU)'] = rational_base
+    compiled = {name: torch.compile(m) for name, m in eager.items()}
+    compile_s, x = {}, torch.randn(args.batch_size, *size)
+    with slices_while_compiling() if args.compile_chunk_bytes else nullcontext():
+        with fixed_threads(args.threads), torch.inference_mode():
+            for name, m in compiled.items():
+                ref = (baseline if name.startswith(f'{base_name} ') else deployed)(x)
+                t0 = time.perf_counter()
+                out = m(x)
+                compile_s[name] = time.perf_counter() - t0
+                rel = ((out - ref).abs().max() / ref.abs().max()).item()
+                print(f'{name}: max relative difference to eager {rel:.1e}')
+        runs = interleaved_runs(compiled, args.runs, batch_size=args.batch_size, input_size=size, warmup=args.warmup,
+                                repeats=args.repeats, num_threads=args.threads)
+    print(f'\ntorch.compile (default mode, inductor), ms per batch of {args.batch_size}'
+          + (f' (the last of {args.runs} runs)' if args.runs > 1 else '') + '; first call (compile): '
+          + ', '.join(f'{n} {s:.0f} s' for n, s in compile_s.items()))
+    print(table(LATENCY_HEADER, latency_rows(runs[-1], base_key)))
+    iffn_key = f'{iffn_name} (deployed, compiled)'
+    ratios = [r[iffn_key].median_ms / r[base_key].median_ms for r in runs]
+    print(target_line(f'compiled deployed {iffn_name} / compiled {base_name} latency, batch {args.batch_size}, '
+                      f'{threads} thread(s)', ratios, TARGET, at_least=False))
+    if rational_base is not None:
+        same = [r[iffn_key].median_ms / r[f'{base_name} (baseline, compiled, rational GELU)'].median_ms for r in runs]
+        print(f'same GELU formula in both (the baseline with RationalGELU): median {statistics.median(same):.3f}x '
+              f'[{", ".join(f"{v:.3f}" for v in same)}]')
+
 
 def main(argv=None):
     args = parse_args(argv)
@@ -300,29 +366,7 @@ def main(argv=None):
                       ratios, TARGET, at_least=False))
 
     if args.compile:
-        # with slices kept while tracing, the plain compiled row must run the whole batch explicitly
-        eager = {f'{iffn_name} (deployed, compiled)':
-                 with_chunk_bytes(deployed, 0) if args.compile_chunk_bytes else deployed}
-        eager.update({f'{iffn_name} (deployed, compiled, {b / 2 ** 20:g} MiB slices)': with_chunk_bytes(deployed, b)
-                      for b in args.compile_chunk_bytes})
-        eager[f'{base_name} (baseline, compiled)'] = baseline
-        compiled = {name: torch.compile(m) for name, m in eager.items()}
-        compile_s, x = {}, torch.randn(args.batch_size, *size)
-        with slices_while_compiling() if args.compile_chunk_bytes else nullcontext():
-            with fixed_threads(args.threads), torch.inference_mode():
-                ref = deployed(x)
-                for name, m in compiled.items():
-                    t0 = time.perf_counter()
-                    out = m(x)
-                    compile_s[name] = time.perf_counter() - t0
-                    if name != f'{base_name} (baseline, compiled)':  # compiled = eager, sliced or not
-                        rel = ((out - ref).abs().max() / ref.abs().max()).item()
-                        print(f'{name}: max relative difference to eager {rel:.1e}')
-            results_c = benchmark_models(compiled, batch_size=args.batch_size, input_size=size, warmup=args.warmup,
-                                         repeats=args.repeats, num_threads=args.threads)
-        print(f'\ntorch.compile (default mode, inductor), ms per batch of {args.batch_size}; first call (compile): '
-              + ', '.join(f'{n} {s:.0f} s' for n, s in compile_s.items()))
-        print(table(LATENCY_HEADER, latency_rows(results_c, f'{base_name} (baseline, compiled)')))
+        compiled_rows(args, deployed, baseline, size, threads)
 
     if args.breakdown_repeats > 0:
         qual_i, ffn_train, x_i = first_ffn_and_input(iffn_train, args.batch_size, size)

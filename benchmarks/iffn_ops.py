@@ -2,13 +2,15 @@
 
 Command:
 
-    .venv/bin/python benchmarks/iffn_ops.py [--threads N] [--steady-malloc]
+    .venv/bin/python benchmarks/iffn_ops.py [--threads N] [--steady-malloc] [--compile]
 
 Times, on the tensors one IFFN block of iffn_deit_small sees at batch 32 (B=32, N=196 tokens,
 C=384, C'=4C=1536; a C'-wide fp32 tensor is 38.5 MB), the ops the design choices hinge on:
 fc1 at 2C vs 4C outputs (folding AGeLU's alpha/gamma into fc1 needs the 4C one), out-of-place vs
 in-place element-wise ops (a fresh 38.5 MB tensor vs reusing one), the depthwise conv on the
-channels-last view of the tokens vs on a channels-first copy, and the copy it would take.
+channels-last view of the tokens vs on a channels-first copy, and the copy it would take; with
+``--compile`` also the exact GELU compiled by inductor, as torch writes it (erf) and as
+``gelu_rational`` (the form IFFN's compiled inference path uses, layers/rational_gelu.py).
 Median wall-clock ms per call over --repeats, the ops interleaved round by round.
 """
 import argparse
@@ -23,11 +25,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from _ratio_runs import add_malloc_option, apply_malloc_option  # noqa: E402
 
+from vitblocks.layers.rational_gelu import gelu_rational  # noqa: E402
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--threads', type=int, help="torch intra-op threads (default: torch's default)")
     p.add_argument('--repeats', type=int, default=15)
+    p.add_argument('--compile', action='store_true', help='also time the GELU compiled by inductor, erf and rational')
     add_malloc_option(p, '--glibc-no-mmap')  # the old name of the option
     args = p.parse_args(argv)
     allocator = apply_malloc_option(args)
@@ -80,6 +85,10 @@ def main(argv=None):
         'tokens -> channels-first copy': lambda: fmap.contiguous(),
         'copy 4C (clone)': lambda: y.clone(),
     }
+    if args.compile:
+        gelu_erf, gelu_rat = torch.compile(F.gelu), torch.compile(gelu_rational)
+        ops['GELU 4C, torch.compile(F.gelu)'] = lambda: gelu_erf(y)
+        ops['GELU 4C, torch.compile(gelu_rational)'] = lambda: gelu_rat(y)
     times = {k: [] for k in ops}
     with torch.inference_mode():
         for f in ops.values():

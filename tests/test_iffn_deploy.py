@@ -108,6 +108,86 @@ def test_benchmark_can_keep_slices_while_compiling(monkeypatch):
     assert parse_args(['--compile', '--compile-chunk-bytes', '1', '2']).compile_chunk_bytes == [1, 2]
 
 
+def test_benchmark_gelu_variants(monkeypatch):
+    """benchmarks/iffn_latency.py --compile rows: the deployed model with torch's GELU, and the baseline with
+    the same rational GELU (every exact nn.GELU swapped, same function)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / 'benchmarks'))
+    from iffn_latency import baseline_with_rational_gelu, with_rational_gelu
+    from vitblocks.layers.rational_gelu import RationalGELU
+    base = timm.create_model('deit_tiny_patch16_224', img_size=32, patch_size=8, depth=3).eval()
+    swapped = baseline_with_rational_gelu(base)
+    assert sum(isinstance(m, nn.GELU) for m in base.modules()) == 3
+    assert not any(isinstance(m, nn.GELU) for m in swapped.modules())
+    assert sum(isinstance(m, RationalGELU) for m in swapped.modules()) == 3
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(swapped(x), base(x), rtol=1e-5, atol=1e-5)
+    assert baseline_with_rational_gelu(nn.Sequential(nn.Linear(2, 2), nn.GELU(approximate='tanh'))) is None
+    model = nn.Sequential(IFFN(16, 64, grid_size=(3, 4)).fuse())
+    torch_gelu = with_rational_gelu(model, False)
+    assert not torch_gelu[0].compile_rational_gelu and model[0].compile_rational_gelu  # a copy, class default kept
+
+
+def _trace(module: nn.Module, x: torch.Tensor):
+    """Output and FX graph of ``torch.compile(module)`` with a backend that runs the traced graph as is
+    (what inductor would compile, without the minutes of C++ compilation)."""
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        out = torch.compile(module, backend=backend)(x)
+    torch._dynamo.reset()
+    assert len(graphs) == 1  # no graph break
+    return out, graphs[0]
+
+
+def _called(gm, name: str) -> int:
+    """How many torch functions or tensor methods in the graph have ``name`` in their name."""
+    return sum(n.op in ('call_function', 'call_method') and name in getattr(n.target, '__name__', str(n.target))
+               for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize('cfg,x,gelus', [
+    (dict(grid_size=(3, 4), num_prefix_tokens=2), torch.randn(3, 14, 16), 2),  # tokens with prefix
+    (dict(grid_size=(3, 4), num_functions=4), torch.randn(3, 12, 16), 2),
+    (dict(channels_first=True), torch.randn(3, 16, 4, 5), 2),  # PoolFormer maps
+    (dict(grid_size=(4, 5)), torch.randn(3, 4, 5, 16), 2),  # (B, H, W, C) maps
+    (dict(grid_size=(3, 4), channel_part=False), torch.randn(3, 12, 16), 2),
+    (dict(grid_size=(3, 4), act_layer='softplus'), torch.randn(3, 12, 16), 0),
+    (dict(grid_size=(3, 4), spatial_act_layer='softplus'), torch.randn(3, 12, 16), 1),
+])
+def test_compiled_inference_path_matches_training_form(cfg, x, gelus):
+    """Under torch.compile the deploy form's CPU path is functional, with the N activations as one flat
+    (..., C') tensor and exact GELUs as gelu_rational (compile_rational_gelu, default) or torch's GELU."""
+    ffn = perturb_(IFFN(16, 64, **cfg), std=0.2, batchnorm=True).eval()
+    deployed = ffn.fuse()
+    with torch.inference_mode():
+        ref = ffn(x)
+    for rational in (True, False):
+        deployed.compile_rational_gelu = rational
+        out, gm = _trace(deployed, x)
+        assert out.shape == ref.shape and _rel_err(out, ref) <= RTOL
+        assert _called(gm, 'gelu') == (0 if rational else gelus)
+        assert _called(gm, 'clamp') == (gelus if rational else 0)  # one rational erf per exact GELU
+        assert _called(gm, 'repeat') == (cfg.get('channel_part', True) is not False)
+    with torch.inference_mode():
+        eager = deployed(x)
+    assert _rel_err(eager, ref) <= RTOL
+
+
+def test_inductor_compiles_the_inference_path():
+    ffn = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1), std=0.2, batchnorm=True).eval()
+    deployed, x = ffn.fuse(), torch.randn(2, 13, 16)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        out = torch.compile(deployed)(x)
+        assert _rel_err(out, ffn(x)) <= RTOL
+    torch._dynamo.reset()
+
+
 def test_batch_slices_give_the_same_numbers():
     ffn = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1), std=0.2, batchnorm=True).eval()
     deployed = ffn.fuse()

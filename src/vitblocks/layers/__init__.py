@@ -3,6 +3,7 @@ from .activations import (ACTIVATIONS, AGeLU, ArbitraryActivation, ConcatArbitra
                           create_act, get_base_activation)
 from .baselines import timm_mlp
 from .iffn import IFFN, DepthwiseBlock, SumOfNonlinearities
+from .rational_gelu import RationalGELU, erf_rational, gelu_rational
 from .layout import TokenLayout, apply_spatial, check_grid, merge_tokens, split_tokens
 from .registry import FFN_INHERITS, FFN_REGISTRY, create_ffn, list_ffns, register_ffn
 from .repa import RePaDeployedFFN, RePaFFN, TokenBatchNorm, active_channels, repa_ffn
