@@ -178,6 +178,18 @@ def test_compiled_inference_path_matches_training_form(cfg, x, gelus):
     assert _rel_err(eager, ref) <= RTOL
 
 
+def test_exported_program_keeps_torch_gelu():
+    """torch.export traces the inference path too, but an exported program keeps the GELU op (ONNX Gelu, a
+    runtime's own kernel): the rational form is for torch.compile only."""
+    deployed = perturb_(IFFN(16, 64, grid_size=(3, 4)), std=0.2, batchnorm=True).eval().fuse()
+    x = torch.randn(2, 12, 16)
+    with torch.no_grad():
+        program = torch.export.export(deployed, (x,))
+        torch.testing.assert_close(program.module()(x), deployed(x), rtol=1e-6, atol=1e-6)
+    gelus = [n for n in program.graph.nodes if n.op == 'call_function' and 'gelu' in str(n.target)]
+    assert len(gelus) == 2 and not any('clamp' in str(n.target) for n in program.graph.nodes)
+
+
 def test_inductor_compiles_the_inference_path():
     ffn = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1), std=0.2, batchnorm=True).eval()
     deployed, x = ffn.fuse(), torch.randn(2, 13, 16)

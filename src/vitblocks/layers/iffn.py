@@ -322,14 +322,15 @@ class IFFN(nn.Module):
     def _hidden_inference(self, x: torch.Tensor) -> torch.Tensor:
         """fc1, activations, norm and spatial part of a channels-last slice ``(b, ..., C) -> (b, ..., C')``.
 
-        While torch.compile traces it, the activations are functional (exact GELUs as
+        While torch.compile traces it (not torch.export), the activations are functional (exact GELUs as
         :func:`gelu_rational` with ``compile_rational_gelu``) and the N copies of fc1's output are
         one flat ``(..., C')`` tensor: with the ``(..., N, C'/N)`` broadcast below, inductor stored
         the rational GELU's output channel-major and the LayerNorm read it across (docs/iffn_speed.md).
         """
         h = F.linear(x, _linear_weight(self.fc1), self.fc1.bias)  # (..., C) -> (..., C'/N)
         cf = self.layout.channels_first
-        compiling = torch.compiler.is_compiling()
+        # torch.export traces through here too: an exported program keeps torch's GELU op (ONNX Gelu)
+        compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
         activate = self._activate_compiled if compiling else _activate_
         if self.channel_part and compiling:
             a = self.act

@@ -10,9 +10,10 @@ minimax fit, its docstring has the method).
 Why: inductor writes the erf GELU as a polynomial around a Sleef ``exp`` call, which on this AVX2 CPU takes
 1.7x the time per element of these sums of products and one division (6.72 vs 4.00 ms for 32 x 196 x 1536
 floats, 2 threads, ``benchmarks/iffn_ops.py --compile``), and the form fuses into the kernels around it like
-any element-wise op. Eager it is the other way round: torch's GELU is one kernel as fast (4.25 ms, same command)
-and this form would be ~20 passes, so only compiled graphs use it (IFFN's CPU inference path while torch.compile traces it,
-``IFFN.compile_rational_gelu``; docs/iffn_speed.md).
+any element-wise op. Eager it is the other way round: torch's GELU is one kernel as fast (4.25 ms, same
+command) and this form would be ~20 passes, so only compiled graphs use it (IFFN's CPU inference path while
+torch.compile traces it, ``IFFN.compile_rational_gelu``; docs/iffn_speed.md); exported programs (torch.export,
+ONNX) keep the GELU op.
 """
 import torch
 from torch import nn
