@@ -103,12 +103,17 @@ def slices_while_compiling():
         yield
 
 
-def with_chunk_bytes(model: nn.Module, chunk_bytes: int) -> nn.Module:
-    """A copy of ``model`` whose IFFN layers run batch slices of ``chunk_bytes`` (0: the whole batch)."""
+def iffn_copy(model: nn.Module, **settings) -> nn.Module:
+    """A copy of ``model`` with IFFN class settings set on each of its IFFN layers, e.g.
+    ``inference_chunk_bytes=0`` (the whole batch) or ``compile_rational_gelu=False`` (torch's GELU)."""
+    unknown = [name for name in settings if not hasattr(IFFN, name)]
+    if unknown:
+        raise ValueError(f'IFFN has no setting {", ".join(unknown)}')
     model = copy.deepcopy(model)
     for m in model.modules():
         if isinstance(m, IFFN):
-            m.inference_chunk_bytes = chunk_bytes
+            for name, value in settings.items():
+                setattr(m, name, value)
     return model
 
 
@@ -255,15 +260,6 @@ def breakdown(ffns: Dict[str, tuple], repeats: int, num_threads: Optional[int]):
 
 # ----------------------------------------------------------------------------- main
 
-def with_rational_gelu(model: nn.Module, rational: bool) -> nn.Module:
-    """A copy of ``model`` whose IFFN layers compute exact GELUs as ``gelu_rational`` while compiled, or not."""
-    model = copy.deepcopy(model)
-    for m in model.modules():
-        if isinstance(m, IFFN):
-            m.compile_rational_gelu = rational
-    return model
-
-
 def baseline_with_rational_gelu(model: nn.Module) -> Optional[nn.Module]:
     """A copy of the baseline with every exact ``nn.GELU`` replaced by ``RationalGELU`` (None if it has none):
     the same GELU formula on both sides, so the ratio shows what the IFFN architecture alone gains."""
@@ -282,10 +278,11 @@ def compiled_rows(args, deployed: nn.Module, baseline: nn.Module, size, threads:
     iffn_name, base_name = args.models
     base_key = f'{base_name} (baseline, compiled)'
     # with slices kept while tracing, the plain compiled rows must run the whole batch explicitly
-    plain = with_chunk_bytes(deployed, 0) if args.compile_chunk_bytes else deployed
+    plain = iffn_copy(deployed, inference_chunk_bytes=0) if args.compile_chunk_bytes else deployed
     eager = {f'{iffn_name} (deployed, compiled)': plain,
-             f'{iffn_name} (deployed, compiled, torch GELU)': with_rational_gelu(plain, False)}
-    eager.update({f'{iffn_name} (deployed, compiled, {b / 2 ** 20:g} MiB slices)': with_chunk_bytes(deployed, b)
+             f'{iffn_name} (deployed, compiled, torch GELU)': iffn_copy(plain, compile_rational_gelu=False)}
+    eager.update({f'{iffn_name} (deployed, compiled, {b / 2 ** 20:g} MiB slices)':
+                  iffn_copy(deployed, inference_chunk_bytes=b)
                   for b in args.compile_chunk_bytes})
     eager[base_key] = baseline
     rational_base = baseline_with_rational_gelu(baseline)
@@ -327,7 +324,7 @@ def main(argv=None):
     baseline = reparameterize(timm.create_model(base_name))
     deployed = reparameterize(iffn_train)
     if args.chunk_bytes is not None:
-        deployed = with_chunk_bytes(deployed, args.chunk_bytes)
+        deployed = iffn_copy(deployed, inference_chunk_bytes=args.chunk_bytes)
     size = input_size_of(iffn_train)
     threads = args.threads or torch.get_num_threads()
 

@@ -76,58 +76,6 @@ def test_batch_slice_size():
     assert seen == [None]  # a traced graph must not bake in a batch size
 
 
-def test_benchmark_can_keep_slices_while_compiling(monkeypatch):
-    """benchmarks/iffn_latency.py --compile-chunk-bytes: with the compile check lifted, dynamo traces one
-    fc2 matmul per batch slice into one graph (equal numbers); by default the layer compiles unsliced."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / 'benchmarks'))
-    from iffn_latency import parse_args, slices_while_compiling
-    ffn = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1), std=0.2, batchnorm=True).eval().fuse()
-    ffn.inference_chunk_bytes = 2 * 13 * 64 * 4  # two samples per slice: 3 slices of a batch of 5
-    x = torch.randn(5, 13, 16)
-
-    def fc2_matmuls(keep_slices: bool):
-        torch._dynamo.reset()
-        graphs = []
-
-        def backend(gm, inputs):
-            graphs.append(gm)
-            return gm.forward
-        with slices_while_compiling() if keep_slices else nullcontext(), torch.inference_mode():
-            out = torch.compile(ffn, backend=backend)(x)
-            torch.testing.assert_close(out, ffn(x), rtol=1e-6, atol=1e-6)
-        assert len(graphs) == 1  # no graph break
-        return [n.target for n in graphs[0].graph.nodes if n.op == 'call_function' and n.target is torch.addmm]
-    assert fc2_matmuls(False) == []  # fc2 is one F.linear on the whole batch
-    assert fc2_matmuls(True) == [torch.addmm] * 3
-    torch._dynamo.reset()
-
-    with pytest.raises(SystemExit):
-        parse_args(['--compile-chunk-bytes', '8388608'])  # without --compile
-    with pytest.raises(SystemExit):
-        parse_args(['--compile', '--compile-chunk-bytes', '0'])  # 0 = the plain compiled row
-    assert parse_args(['--compile', '--compile-chunk-bytes', '1', '2']).compile_chunk_bytes == [1, 2]
-
-
-def test_benchmark_gelu_variants(monkeypatch):
-    """benchmarks/iffn_latency.py --compile rows: the deployed model with torch's GELU, and the baseline with
-    the same rational GELU (every exact nn.GELU swapped, same function)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / 'benchmarks'))
-    from iffn_latency import baseline_with_rational_gelu, with_rational_gelu
-    from vitblocks.layers.rational_gelu import RationalGELU
-    base = timm.create_model('deit_tiny_patch16_224', img_size=32, patch_size=8, depth=3).eval()
-    swapped = baseline_with_rational_gelu(base)
-    assert sum(isinstance(m, nn.GELU) for m in base.modules()) == 3
-    assert not any(isinstance(m, nn.GELU) for m in swapped.modules())
-    assert sum(isinstance(m, RationalGELU) for m in swapped.modules()) == 3
-    x = torch.randn(2, 3, 32, 32)
-    with torch.inference_mode():
-        torch.testing.assert_close(swapped(x), base(x), rtol=1e-5, atol=1e-5)
-    assert baseline_with_rational_gelu(nn.Sequential(nn.Linear(2, 2), nn.GELU(approximate='tanh'))) is None
-    model = nn.Sequential(IFFN(16, 64, grid_size=(3, 4)).fuse())
-    torch_gelu = with_rational_gelu(model, False)
-    assert not torch_gelu[0].compile_rational_gelu and model[0].compile_rational_gelu  # a copy, class default kept
-
-
 def _trace(module: nn.Module, x: torch.Tensor):
     """Output and FX graph of ``torch.compile(module)`` with a backend that runs the traced graph as is
     (what inductor would compile, without the minutes of C++ compilation)."""
@@ -148,6 +96,53 @@ def _called(gm, name: str) -> int:
     """How many torch functions or tensor methods in the graph have ``name`` in their name."""
     return sum(n.op in ('call_function', 'call_method') and name in getattr(n.target, '__name__', str(n.target))
                for n in gm.graph.nodes)
+
+
+def test_benchmark_can_keep_slices_while_compiling(monkeypatch):
+    """benchmarks/iffn_latency.py --compile-chunk-bytes: with the compile check lifted, dynamo traces one
+    fc2 matmul per batch slice into one graph (equal numbers); by default the layer compiles unsliced."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / 'benchmarks'))
+    from iffn_latency import parse_args, slices_while_compiling
+    ffn = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1), std=0.2, batchnorm=True).eval().fuse()
+    ffn.inference_chunk_bytes = 2 * 13 * 64 * 4  # two samples per slice: 3 slices of a batch of 5
+    x = torch.randn(5, 13, 16)
+
+    def fc2_matmuls(keep_slices: bool):
+        with slices_while_compiling() if keep_slices else nullcontext():
+            out, gm = _trace(ffn, x)  # one graph, no break
+            with torch.inference_mode():
+                torch.testing.assert_close(out, ffn(x), rtol=1e-6, atol=1e-6)
+        return [n.target for n in gm.graph.nodes if n.op == 'call_function' and n.target is torch.addmm]
+    assert fc2_matmuls(False) == []  # fc2 is one F.linear on the whole batch
+    assert fc2_matmuls(True) == [torch.addmm] * 3
+
+    with pytest.raises(SystemExit):
+        parse_args(['--compile-chunk-bytes', '8388608'])  # without --compile
+    with pytest.raises(SystemExit):
+        parse_args(['--compile', '--compile-chunk-bytes', '0'])  # 0 = the plain compiled row
+    assert parse_args(['--compile', '--compile-chunk-bytes', '1', '2']).compile_chunk_bytes == [1, 2]
+
+
+def test_benchmark_gelu_variants(monkeypatch):
+    """benchmarks/iffn_latency.py --compile rows: the deployed model with torch's GELU, and the baseline with
+    the same rational GELU (every exact nn.GELU swapped, same function)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / 'benchmarks'))
+    from iffn_latency import baseline_with_rational_gelu, iffn_copy
+    from vitblocks.layers.rational_gelu import RationalGELU
+    base = timm.create_model('deit_tiny_patch16_224', img_size=32, patch_size=8, depth=3).eval()
+    swapped = baseline_with_rational_gelu(base)
+    assert sum(isinstance(m, nn.GELU) for m in base.modules()) == 3
+    assert not any(isinstance(m, nn.GELU) for m in swapped.modules())
+    assert sum(isinstance(m, RationalGELU) for m in swapped.modules()) == 3
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(swapped(x), base(x), rtol=1e-5, atol=1e-5)
+    assert baseline_with_rational_gelu(nn.Sequential(nn.Linear(2, 2), nn.GELU(approximate='tanh'))) is None
+    model = nn.Sequential(IFFN(16, 64, grid_size=(3, 4)).fuse())
+    torch_gelu = iffn_copy(model, compile_rational_gelu=False)
+    assert not torch_gelu[0].compile_rational_gelu and model[0].compile_rational_gelu  # a copy, class default kept
+    with pytest.raises(ValueError, match='IFFN has no setting compile_rational'):
+        iffn_copy(model, compile_rational=False)  # a misspelt setting would change nothing
 
 
 @pytest.mark.parametrize('cfg,x,gelus', [
