@@ -45,8 +45,10 @@ def test_fit_script_reproduces_the_coefficients(monkeypatch):
     from fit_erf_rational import erf_float32, fit
     p, q, err = fit()
     assert err <= 6e-8
-    assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) for a, b in zip(p, P)) and len(p) == len(P)
-    assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) for a, b in zip(q, Q)) and len(q) == len(Q)
+    # a minimax rational's coefficients are ill-conditioned (a flat optimum): the same script under numpy
+    # 2.5.2's LAPACK lands 1.6e-4 (relative) away from the committed ones (numpy 2.4.6), error 5.48e-8 vs 5.43e-8
+    assert all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(p, P)) and len(p) == len(P)
+    assert all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(q, Q)) and len(q) == len(Q)
     x = _grid(-6, 6, 10_001)
     torch.testing.assert_close(torch.from_numpy(erf_float32(P, Q, x.numpy())), erf_rational(x.float()),
                                rtol=0, atol=3e-7)  # the script's float32 evaluation is the layer's
