@@ -40,6 +40,27 @@ def test_shard_patterns_files_and_split_dirs(tmp_path):
     assert len(build_dataset(str(nested), 'val')) == 10
 
 
+def test_a_brace_pattern_names_every_shard(tmp_path):
+    write_shards(tmp_path, 'train', n=60, per_shard=20)
+    (tmp_path / 'tiny-train-0001.tar.gz').unlink()
+    with pytest.raises(DataError, match=r'tiny-train-0001\.tar\.gz: missing \(1 of the 3 shards .* names\)'):
+        build_dataset(str(tmp_path / 'tiny-train-{0000..0002}.tar.gz'))
+    assert len(build_dataset(str(tmp_path / 'tiny-train-*.tar.gz'))) == 40  # a glob takes what is there
+
+
+def test_split_folders_use_the_manifest_of_the_dataset_folder(tmp_path):
+    write_shards(tmp_path / 'train', 'train', n=30, per_shard=20, manifest=False)  # <root>/train/*.tar.gz
+    shards = [{'file': 'train/tiny-train-0000.tar.gz', 'num_samples': 20},
+              {'file': 'train/tiny-train-0001.tar.gz', 'num_samples': 10}]
+    manifest = {'classes': ['a', 'b', 'c', 'd'], 'splits': {'train': {'shards': shards}}}
+    (tmp_path / 'MANIFEST.json').write_text(json.dumps(manifest))
+    assert build_dataset(str(tmp_path), 'train').classes == ['a', 'b', 'c', 'd']
+    shards[1]['num_samples'] = 11
+    (tmp_path / 'MANIFEST.json').write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match='tiny-train-0001.tar.gz: holds 10 samples but MANIFEST.json says 11'):
+        build_dataset(str(tmp_path), 'train', in_memory=True)
+
+
 def test_val_falls_back_to_test_split(tmp_path):
     write_shards(tmp_path, 'train', n=20)
     write_shards(tmp_path, 'test', n=10)
@@ -228,6 +249,34 @@ def test_tensor_and_pil_pipelines_agree_without_augmentation(tmp_path):
     p = PILLoader(ds, order, build_pil_transform((3, 8, 8), mean, std, training=False))
     (xt, yt), (xp, yp) = next(t.epoch(0)), next(p.epoch(0))
     assert torch.equal(yt, yp) and torch.allclose(xt, xp, atol=1e-5)
+
+
+def test_tensor_pipeline_evaluates_a_center_crop_like_timm(tmp_path):
+    write_shards(tmp_path, 'train', n=8)
+    ds = build_dataset(str(tmp_path), 'train')
+    mean, std, order = (0.5,) * 3, (0.25,) * 3, EpochOrder(len(ds), 8, shuffle=False)
+
+    def batches(crop_pct):
+        t = TensorLoader(ds, order, BatchTransform((3, 8, 8), mean, std, False, crop_pct=crop_pct))
+        p = PILLoader(ds, order, build_pil_transform((3, 8, 8), mean, std, False, interpolation='bilinear',
+                                                     crop_pct=crop_pct))
+        return next(t.epoch(0))[0], next(p.epoch(0))[0]
+
+    whole, _ = batches(1.0)
+    xt, xp = batches(0.5)  # resize 8 -> 16, center 8x8: the middle half of the image, upsampled
+    assert (xt - xp).abs().max() < 0.1 * (xt - whole).abs().max()  # timm's crop, up to the resampling filters
+    mid = BatchTransform((3, 4, 4), mean, std, False, crop_pct=0.5)(ds.images[:2])  # resize 8 -> 8, center 4x4
+    assert torch.allclose(mid, (ds.images[:2, :, 2:6, 2:6].float() / 255 - 0.5) / 0.25)
+    with pytest.raises(ValueError, match=r'crop_pct=0: expected a number in \(0, 1\]'):
+        BatchTransform((3, 8, 8), mean, std, False, crop_pct=0)
+
+
+def test_pil_color_jitter_without_random_resized_crop_follows_timm():
+    def steps(**kw):
+        return [type(t).__name__ for t in build_pil_transform((3, 8, 8), (0.5,) * 3, (0.5,) * 3, True, **kw).transforms]
+
+    assert 'ColorJitter' in steps(color_jitter=0.4)
+    assert 'ColorJitter' not in steps() and 'ColorJitter' not in steps(color_jitter=0.4, auto_augment='rand-m9-mstd0.5')
 
 
 def test_epoch_order_is_seeded_sharded_and_resumable():

@@ -26,10 +26,12 @@ from vitblocks.cli import eval as eval_cmd
 from vitblocks.cli import plot as plot_cmd
 from vitblocks.cli import reproduce as reproduce_cmd
 from vitblocks.cli import train as train_cmd
+from vitblocks.data import DataError
 from vitblocks.experiments import (CheckpointError, TrainingDiverged, list_recipes, load_checkpoint,
                                    load_model_weights, load_recipe, merge, save_checkpoint, train)
 from vitblocks.experiments.config import ConfigError, parse_overrides
 from vitblocks.experiments.engine import Trainer
+from vitblocks.experiments.reproduce import run_or_reuse
 from vitblocks.experiments.runlog import read_stop_record
 from vitblocks.experiments.setup import set_cuda_matmul_precision
 from vitblocks.profile import fixed_threads
@@ -325,6 +327,52 @@ def test_config_errors_say_what_to_fix():
         load_recipe('dei')
     with pytest.raises(ConfigError, match="matmul_precision='medium': expected one of highest, high"):
         merge({'matmul_precision': 'medium'})
+
+
+@pytest.mark.parametrize('layer, message', [
+    ({'ratio': [0.75, 1.33]}, r'ratio=\[0.75, 1.33\] is the aspect-ratio range of RandomResizedCrop, which only '
+                              r'scale=\[lo, hi\] turns on'),
+    ({'scale': [0.5, 1.0], 'crop_padding': 4}, 'crop_padding=4 .* and scale=.* are two different crops'),
+    ({'mixup': 0.8, 'batch_size': 7}, 'the batch per process must be even; batch_size=7'),
+    ({'cutmix': 1.0, 'batch_size': 5}, 'batch_size=5'),
+])
+def test_options_that_would_be_ignored_or_crash_later_are_config_errors(layer, message):
+    with pytest.raises(ConfigError, match=message):
+        merge(layer)
+
+
+def test_training_refuses_to_evaluate_on_its_training_images(data, tmp_path):
+    for pattern in ('tiny-train-{0000..0001}.tar.gz', 'tiny-train-0000.tar.gz'):  # no other split to hold out
+        with pytest.raises(DataError, match=r'no held-out split: evaluation \(\'val\'\) would read the training'):
+            train(tiny_cfg(str(data / pattern), tmp_path, max_steps=1))
+    assert not (tmp_path / 'run' / 'last.pth').exists()
+
+
+def test_a_finished_run_without_checkpoints_is_not_overwritten(data, tmp_path):
+    run = tmp_path / 'run'
+    train(tiny_cfg(data, tmp_path, max_steps=1))
+    (run / 'last.pth').unlink()  # results copied without their checkpoints
+    before = (run / 'results.json').read_bytes(), (run / 'metrics.csv').read_bytes()
+    with pytest.raises(ConfigError, match='already holds a finished run'):
+        train(tiny_cfg(data, tmp_path, max_steps=1, lr=1e-3))
+    assert ((run / 'results.json').read_bytes(), (run / 'metrics.csv').read_bytes()) == before
+    with pytest.raises(DataError, match=r'holds the results of a run with another config \(lr differ\) and no '
+                                        r'last.pth'):
+        run_or_reuse(tiny_cfg(data, tmp_path, max_steps=1, lr=1e-3), run)
+    assert ((run / 'results.json').read_bytes(), (run / 'metrics.csv').read_bytes()) == before
+    # grad_accum changes the global batch of a run on as many processes: its results are not reused
+    with pytest.raises(DataError, match=r'\(grad_accum differ\)'):
+        run_or_reuse(tiny_cfg(data, tmp_path, max_steps=1, grad_accum=2), run)
+    assert run_or_reuse(tiny_cfg(data, tmp_path, max_steps=1, threads=2), run)['global_step'] == 1  # reused
+
+
+def test_config_yaml_is_written_atomically(data, tmp_path):
+    run = tmp_path / 'run'
+    train(tiny_cfg(data, tmp_path, max_steps=1))
+    (run / 'config.yaml.tmp').write_text('batch_size: 8\nlr')  # what a kill mid-write leaves
+    train(tiny_cfg(data, tmp_path, max_steps=2), resume=run)
+    assert not (run / 'config.yaml.tmp').exists()
+    assert yaml.safe_load((run / 'config.yaml').read_text())['max_steps'] == 2
 
 
 def test_matmul_precision_sets_tf32_for_matmuls_and_convolutions():

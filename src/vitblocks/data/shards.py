@@ -31,7 +31,8 @@ from ..ticker import Ticker
 from .base import DataError, ImageDataset, array_to_pil, to_pil
 from .shard_index import MAX_OPEN_SHARDS, OpenShards, cached_index
 
-__all__ = ['ShardDataset', 'find_shards', 'is_shard_path', 'read_manifest', 'manifest_counts', 'SHARD_SUFFIXES']
+__all__ = ['ShardDataset', 'find_shards', 'is_shard_path', 'read_manifest', 'manifest_counts', 'manifest_folder',
+           'SHARD_SUFFIXES']
 
 SHARD_SUFFIXES = ('.tar', '.tar.gz', '.tgz')
 IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp', 'bmp', 'ppm')
@@ -81,7 +82,11 @@ def find_shards(path: str, split: Optional[str]) -> List[Path]:
     ``-``/``_``/``.``-separated word (``cifar10-train-0000.tar.gz``).
     """
     if any(c in path for c in '*?{'):
-        files = sorted({Path(f) for pat in _expand_braces(path) for f in glob.glob(pat)})
+        names = _expand_braces(path)
+        absent = [n for n in names if not any(c in n for c in '*?[') and not Path(n).is_file()]
+        if absent and len(absent) < len(names):  # a brace range names each shard: one missing is an error
+            raise DataError(f'{absent[0]}: missing ({len(absent)} of the {len(names)} shards {path} names)')
+        files = sorted({Path(f) for pat in names for f in glob.glob(pat)})
         if not files:
             raise DataError(f'{path}: the pattern matches no shard file')
         missing = [f for f in files if not _is_shard_file(f)]
@@ -129,9 +134,20 @@ def read_manifest(folder: Path) -> Tuple[Optional[List[str]], Dict]:
     return classes, manifest
 
 
+def manifest_folder(path: str, shards: Sequence[Path]) -> Path:
+    """The folder whose MANIFEST.json / classes.txt describe ``shards`` (found under ``path``): theirs, or,
+    for shards in a ``<path>/<split>/`` sub-folder that has neither file, ``path`` itself."""
+    folder, root = shards[0].parent, Path(path)
+    if root.is_dir() and folder.parent == root and folder != root \
+            and not any((folder / name).is_file() for name in ('MANIFEST.json', 'classes.txt')):
+        return root
+    return folder
+
+
 def manifest_counts(manifest: Dict) -> Dict[str, Optional[int]]:
-    """{shard file name: its number of samples} over every split of a MANIFEST.json."""
-    return {sh['file']: sh.get('num_samples')
+    """{shard file name: its number of samples} over every split of a MANIFEST.json (a listed
+    ``<split>/<name>`` counts for ``<name>``)."""
+    return {Path(sh['file']).name: sh.get('num_samples')
             for info in (manifest.get('splits') or {}).values() for sh in info.get('shards', [])}
 
 
@@ -232,8 +248,7 @@ class ShardDataset(ImageDataset):
     def __init__(self, path: str, split: Optional[str] = 'train', classes: Optional[Sequence[str]] = None,
                  in_memory: Optional[bool] = None, max_open_shards: int = MAX_OPEN_SHARDS):
         self.shards = find_shards(str(path), split)
-        folder = self.shards[0].parent
-        found_classes, manifest = read_manifest(folder)
+        found_classes, manifest = read_manifest(manifest_folder(str(path), self.shards))
         self.source = str(path) + (f' [{split}]' if split and Path(path).is_dir() else '')
         self._check_manifest(manifest, split, whole_split=Path(path).is_dir())
         total = sum(f.stat().st_size for f in self.shards)
@@ -259,14 +274,18 @@ class ShardDataset(ImageDataset):
             return
         have = {f.name for f in self.shards}
         for sh in info.get('shards', []):
-            if sh['file'] not in have:
-                raise DataError(f'{self.shards[0].parent / sh["file"]}: missing (listed in MANIFEST.json for split '
-                                f'{split!r})')
+            if Path(sh['file']).name not in have:
+                raise DataError(f'{self.shards[0].parent / Path(sh["file"]).name}: missing (listed in MANIFEST.json '
+                                f'for split {split!r})')
 
     def _load_cached(self) -> Tuple[Union[torch.Tensor, List[np.ndarray]], torch.Tensor, List[Tuple[int, str]]]:
         key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.shards)
-        if key in _MEMORY_CACHE:
-            return _MEMORY_CACHE[key]
+        if key in _MEMORY_CACHE:  # decoded before; the manifest it is checked against may be another one
+            images, targets, keys = _MEMORY_CACHE[key]
+            counts = np.bincount([i for i, _ in keys], minlength=len(self.shards))
+            for shard, count in zip(self.shards, counts.tolist()):
+                self._check_count(shard, count)
+            return images, targets, keys
         ticker = Ticker(len(self.shards), 'shards', f'decoding {self.source}', interval_s=5.0)
         with ThreadPoolExecutor(max_workers=min(len(self.shards), os.cpu_count() or 1)) as pool:
             parts = []

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 
 from .base import DataError, ImageDataset
 from .loader import DeviceBatches, derive_seed
-from .shards import find_shards, manifest_counts, read_manifest
+from .shards import find_shards, manifest_counts, manifest_folder, read_manifest
 
 __all__ = ['StreamingShards', 'StreamLoader', 'expand_shard_url']
 
@@ -81,7 +81,7 @@ class StreamingShards(ImageDataset):
             bad = [f for f in shards if not f.name.endswith(('.tar', '.tar.gz'))]
             if bad:
                 raise DataError(f'{bad[0]}: timm\'s WebDataset reader takes .tar / .tar.gz names; rename the shard')
-            names, folder = [f.name for f in shards], shards[0].parent
+            names, folder = [f.name for f in shards], manifest_folder(str(path), shards)
             self.source = str(path) + (f' [{split}]' if Path(path).is_dir() else '')
             self.root = os.path.commonpath([str(f.resolve().parent) for f in shards])
             self.urls = [os.path.relpath(f.resolve(), self.root) for f in shards]  # timm joins root and name

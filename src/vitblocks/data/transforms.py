@@ -44,13 +44,19 @@ class BatchTransform:
     Training adds, in this order: random crop of the (zero-)padded image (``crop_padding``
     pixels, the CIFAR-ResNet augmentation), horizontal / vertical flips with probability
     ``hflip`` / ``vflip``, then timm's ``RandomErasing`` (``reprob``) after normalization.
+    Evaluation with ``crop_pct < 1`` resizes to ``floor(size / crop_pct)`` and takes the center
+    ``size``, as timm's eval transform does for a given (H, W).
     """
 
     def __init__(self, input_size: Sequence[int], mean: Sequence[float], std: Sequence[float], training: bool,
                  hflip: float = 0.0, vflip: float = 0.0, crop_padding: int = 0, interpolation: str = 'bilinear',
-                 reprob: float = 0.0, remode: str = 'pixel', recount: int = 1,
+                 reprob: float = 0.0, remode: str = 'pixel', recount: int = 1, crop_pct: float = 1.0,
                  device: torch.device = torch.device('cpu')):
+        if not 0 < crop_pct <= 1:
+            raise ValueError(f'crop_pct={crop_pct}: expected a number in (0, 1]')
         self.channels, self.size = int(input_size[0]), (int(input_size[1]), int(input_size[2]))
+        # evaluation resizes to this, then crops the center self.size (timm: floor(size / crop_pct))
+        self.resize = self.size if training else tuple(math.floor(s / crop_pct) for s in self.size)
         if len(mean) != self.channels or len(std) != self.channels:
             raise ValueError(f'mean/std need {self.channels} values for {self.channels}-channel input, '
                              f'got {mean}, {std}')
@@ -68,8 +74,11 @@ class BatchTransform:
         if self.training and self.crop_padding:
             x = self._random_crop(x, generator)
         x = x.float()
-        if tuple(x.shape[-2:]) != self.size:
-            x = F.interpolate(x, size=self.size, mode=self.interpolation, align_corners=False, antialias=True)
+        if tuple(x.shape[-2:]) != self.resize:
+            x = F.interpolate(x, size=self.resize, mode=self.interpolation, align_corners=False, antialias=True)
+        if self.resize != self.size:  # center crop: (B, C, H', W') -> (B, C, H, W)
+            top, left = (self.resize[0] - self.size[0]) // 2, (self.resize[1] - self.size[1]) // 2
+            x = x[..., top:top + self.size[0], left:left + self.size[1]]
         if self.training and (self.hflip or self.vflip):
             b = x.shape[0]
             flips = torch.rand(2, b, generator=generator).to(x.device, non_blocking=True)  # no stream sync
@@ -114,7 +123,9 @@ def build_pil_transform(input_size: Sequence[int], mean: Sequence[float], std: S
     """timm's ``create_transform`` for PIL images, after converting them to the model's channels.
 
     Training without ``scale`` resizes to ``input_size`` (plus ``crop_padding`` random crop)
-    instead of timm's RandomResizedCrop, the usual setting for MNIST/CIFAR-sized data.
+    instead of timm's RandomResizedCrop, the usual setting for MNIST/CIFAR-sized data; the rest
+    follows timm's order and rules (flips, then RandAugment or else ``color_jitter``, as timm
+    applies color jitter only without auto-augment).
 
     ``uint8``: end with a ``(C, H, W)`` uint8 tensor, neither normalized nor randomly erased
     (timm's ``use_prefetcher`` form); the loader does both on the device (``PILLoader(normalize=...)``).
@@ -135,6 +146,8 @@ def build_pil_transform(input_size: Sequence[int], mean: Sequence[float], std: S
             from timm.data.auto_augment import rand_augment_transform
             steps.append(rand_augment_transform(auto_augment, {'translate_const': int(size[0] * 0.45),
                                                                'img_mean': tuple(round(255 * m) for m in mean)}))
+        elif color_jitter:  # brightness, contrast, saturation, as timm's create_transform
+            steps.append(T.ColorJitter(color_jitter, color_jitter, color_jitter))
         if uint8:
             from timm.data.transforms import MaybePILToTensor
             return T.Compose(steps + [MaybePILToTensor()])

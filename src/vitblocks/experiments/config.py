@@ -247,6 +247,15 @@ def _validate(cfg: TrainConfig) -> None:
         for bad, what, fix in clash:
             if bad:
                 raise ConfigError(f'streaming=true cannot go with {what}; use {fix}, or drop streaming=true')
+    if cfg.ratio is not None and cfg.scale is None:
+        raise ConfigError(f'ratio={cfg.ratio} is the aspect-ratio range of RandomResizedCrop, which only '
+                          f'scale=[lo, hi] turns on; set scale too, or drop ratio')
+    if cfg.crop_padding and cfg.scale is not None:
+        raise ConfigError(f'crop_padding={cfg.crop_padding} (random crop of the padded image) and scale={cfg.scale} '
+                          f'(RandomResizedCrop) are two different crops; keep one')
+    if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
+        raise ConfigError(f'mixup/cutmix mix each image with another of its batch (timm\'s Mixup), so the batch per '
+                          f'process must be even; batch_size={cfg.batch_size}')
     if cfg.auto_augment:
         problem = check_auto_augment(cfg.auto_augment, random_resized_crop=cfg.scale is not None)
         if problem:
@@ -254,8 +263,11 @@ def _validate(cfg: TrainConfig) -> None:
 
 
 def save_config(cfg: TrainConfig, path: Path, header: str = '') -> None:
+    """Write ``cfg`` as YAML under ``header`` (as comments), atomically: a run killed mid-write keeps the
+    previous config.yaml, which ``--resume`` reads."""
+    from .runlog import write_text_atomic
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
-    path.write_text(''.join(f'# {line}\n' for line in header.splitlines()) + text, encoding='utf-8')
+    write_text_atomic(Path(path), ''.join(f'# {line}\n' for line in header.splitlines()) + text)
 
 
 def load_config(path: Union[str, Path]) -> TrainConfig:

@@ -192,6 +192,9 @@ class Trainer:
             if resume is None and (path / 'last.pth').exists():
                 error = (f'{path} already holds a run (last.pth); resume it with --resume {path}, '
                          f'or pick another --name / --output')
+            elif resume is None and (path / 'results.json').exists():  # a finished run whose checkpoints are gone
+                error = (f'{path} already holds a finished run (results.json); a new run there would overwrite its '
+                         f'results and metrics: pick another --name / --output, or remove the folder')
             else:
                 path.mkdir(parents=True, exist_ok=True)
                 self._notes += [f'removed {p.name}, left by a write that was killed' for p in

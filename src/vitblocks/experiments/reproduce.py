@@ -67,8 +67,9 @@ def find_dataset(name: str, root: Optional[str]) -> Optional[Path]:
     return None
 
 
-# keys that change how a run is executed but not what it computes up to its budget
-_SAME_RESULT = RESUME_CHANGEABLE - {'epochs', 'max_steps'}
+# keys that change how a run is executed but not what it computes up to its budget (grad_accum changes the
+# global batch of a run on the same number of processes, so it is not one of them)
+_SAME_RESULT = RESUME_CHANGEABLE - {'epochs', 'max_steps', 'grad_accum'}
 
 
 def _check_same_model(cfg: TrainConfig, results: Dict, run_dir: Path) -> None:
@@ -99,6 +100,10 @@ def run_or_reuse(cfg: TrainConfig, run_dir: Path) -> Dict:
                                 f'remove it or use another --output')
             train(cfg, run_dir=run_dir, resume=last)
             return json.loads(results.read_text())
+        if results.exists():  # finished, its checkpoints gone: nothing to continue, and its results to keep
+            raise DataError(f'{run_dir} holds the results of a run with another config ({", ".join(changed)} '
+                            f'differ) and no last.pth to continue it from; remove the folder to train it again, or '
+                            f'use another --output')
     train(cfg, run_dir=run_dir)
     return json.loads(results.read_text())
 

@@ -74,9 +74,10 @@ class MetricsLog:
 
 def remove_stale_temporaries(run_dir: Path) -> List[Path]:
     """Delete the temporary files of writes a killed process left (``.last.pth.*.tmp`` from
-    ``save_checkpoint``, ``metrics.csv.tmp``, ``results.json.tmp``); returns what was removed.
+    ``save_checkpoint``, ``metrics.csv.tmp``, ``results.json.tmp``, ``config.yaml.tmp``); returns what was
+    removed.
     Call it only while no other process writes into ``run_dir``."""
-    stale = [p for pattern in ('.*.pth.*.tmp', '*.csv.tmp', '*.json.tmp') for p in run_dir.glob(pattern)]
+    stale = [p for pattern in ('.*.pth.*.tmp', '*.csv.tmp', '*.json.tmp', '*.yaml.tmp') for p in run_dir.glob(pattern)]
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
@@ -94,12 +95,17 @@ def write_stop_record(run_dir: Path, reason: str, message: str, **fields) -> Non
     write_json(run_dir / STOP_RECORD, record)
 
 
-def write_json(path: Path, obj) -> None:
-    """Write ``obj`` as JSON through ``<path>.tmp`` and a rename, so a reader never sees half a file
-    (a killed write leaves only the ``.json.tmp`` that ``remove_stale_temporaries`` deletes)."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` through ``<path>.tmp`` and a rename, so a reader never sees half a file (a killed
+    write leaves only the ``.tmp`` that ``remove_stale_temporaries`` deletes)."""
     tmp = path.with_name(path.name + '.tmp')
-    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.write_text(text, encoding='utf-8')
     os.replace(tmp, path)
+
+
+def write_json(path: Path, obj) -> None:
+    """Write ``obj`` as JSON, atomically (``write_text_atomic``)."""
+    write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 def read_json(path: Path):

@@ -164,6 +164,10 @@ def setup_data(cfg: TrainConfig, model: nn.Module, num_classes: Optional[int] = 
     # a class list made up from num_classes (a streamed split without one) does not name the val split's classes
     named = getattr(train, 'classes_named', True)
     val = build_dataset(cfg.data, val_split, classes=train.classes if named else None)
+    if val.source == train.source:  # a shard, a pattern or one ImageFolder tree has no other split
+        raise DataError(f'{cfg.data}: no held-out split: evaluation ({val_split!r}) would read the training images '
+                        f'({train.source}); give the folder holding both splits (<split>/ sub-folders, or shards named '
+                        f'<name>-train-*/<name>-test-*)')
     if val.num_classes != train.num_classes:
         raise DataError(f'{cfg.data}: split {val_split!r} has {val.num_classes} classes, {cfg.train_split!r} has '
                         f'{train.num_classes}')
@@ -228,7 +232,7 @@ def make_loader(cfg: TrainConfig, data: DataSetup, training: bool, device: torch
     if data.pipeline == 'tensor' and ds.images is not None:
         tf = BatchTransform(data.input_size, data.mean, data.std, training, hflip=cfg.hflip, vflip=cfg.vflip,
                             crop_padding=cfg.crop_padding, interpolation=cfg.interpolation, reprob=cfg.reprob,
-                            remode=cfg.remode, recount=cfg.recount, device=device)
+                            remode=cfg.remode, recount=cfg.recount, crop_pct=cfg.crop_pct, device=device)
         on_device = cfg.images_on_device and device.type == 'cuda'
         return TensorLoader(ds, _epoch_order(cfg, ds, bs, training, rank, world_size), tf, device=device,
                             images_on_device=on_device)
