@@ -170,6 +170,18 @@ def test_plain_safetensors_weights_are_not_taken_for_a_deployed_file(files, cifa
     assert code == 2 and 'EMA weights are only read from vitblocks training checkpoints' in err  # not ignored
 
 
+def test_a_file_recording_mean_only_takes_std_from_the_model(repa_files, cifar_slice, tmp_path, capsys):
+    name, _, _, model = repa_files
+    std = list(model.pretrained_cfg['std'])
+    results = []
+    for pre in ({'mean': [0.4, 0.5, 0.6]}, {'mean': [0.4, 0.5, 0.6], 'std': std}):
+        path = save_deployed(model, tmp_path / f'{len(pre)}.safetensors', preprocessing=pre)
+        code, out, err, res = _eval(capsys, tmp_path, '--checkpoint', path, '--data', cifar_slice)
+        assert code == 0, err
+        results.append(_only(res))
+    assert results[0]['loss'] == results[1]['loss'] and results[0]['top1'] == results[1]['top1']
+
+
 def test_save_deployed_checks_the_preprocessing(tmp_path):
     model = timm.create_model('repa_deit_tiny_patch16_224', img_size=32, num_classes=10, depth=1, in_chans=1)
     with pytest.raises(ValueError, match=r"preprocessing keys \['crop_pct'\] are not recorded"):

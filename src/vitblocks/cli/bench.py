@@ -106,10 +106,21 @@ def _models(args, name, baseline):
         model = build_model(name, block_cfg, size_kwargs)
     models = {name: model}
     if baseline:
-        models[f'{baseline} (baseline)'] = build_model(baseline, base_kwargs=size_kwargs)
-    if args.reparam:
+        models[f'{baseline} (baseline)'] = _baseline(baseline, size_kwargs, from_file=bool(args.weights))
+    if args.reparam or args.weights:  # --weights implies --reparam: the baseline is compared deployed too
         models = {k: reparameterize_model(m.eval()) for k, m in models.items()}
     return models
+
+
+def _baseline(name: str, sizes: dict, from_file: bool):
+    """The baseline at the model's sizes. The img_size a deployed file records is passed only to a baseline that
+    takes one: PoolFormer and the other any-size models are built without it (both run at the model's input)."""
+    try:
+        return build_model(name, base_kwargs=sizes)
+    except CliError:
+        if not (from_file and 'img_size' in sizes):
+            raise
+        return build_model(name, base_kwargs={k: v for k, v in sizes.items() if k != 'img_size'})
 
 
 def run(args) -> int:

@@ -199,10 +199,11 @@ def run(args) -> int:
             dataset = ds if rs is None else rs.dataset
             if rs is None and dataset.num_classes > num_classes:
                 raise DataError(f'{cfg.data}: {dataset.num_classes} classes but the model has {num_classes} outputs')
-            if meta.get('mean'):
+            if meta.get('mean') and meta.get('std'):
                 mean, std = tuple(meta['mean']), tuple(meta['std'])
-            else:
+            else:  # each of the two the file does not record: the config's, else the model's
                 mean, std = norm_stats(cfg, model, dataset, size[0])
+                mean, std = tuple(meta.get('mean') or mean), tuple(meta.get('std') or std)
             data = DataSetup(dataset, dataset, rs.name if rs else split, size, mean, std,
                              'tensor' if dataset.images is not None else 'pil')
             loader = make_loader(cfg, data, False, device, dist.rank, dist.world_size)

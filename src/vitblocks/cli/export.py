@@ -4,6 +4,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from ..deploy import reparameterize
 from ..deploy.export import FORMATS, ExportDependencyError, check_export, export_onnx, export_pt2, export_torchscript
@@ -175,6 +176,9 @@ def run(args) -> int:
                 path = export_torchscript(model, args.out, input_size=size, batch_size=args.batch_size)
     except ExportDependencyError as e:
         raise CliError(str(e)) from None
+    except (OSError, SafetensorError) as e:  # a full disk, a quota: writes are atomic, so nothing was replaced
+        kept = 'the existing file is unchanged' if Path(args.out).exists() else 'nothing was written'
+        raise CliError(f'cannot write {args.out}: {getattr(e, "strerror", None) or e}; {kept}') from None
     except (AssertionError, RuntimeError, ValueError) as e:  # e.g. an input size the model does not take
         raise CliError(f'export on a {"x".join(map(str, size))} input failed: {type(e).__name__}: '
                        f'{" ".join(str(e).split())[:300]}') from None

@@ -19,7 +19,11 @@ users: :func:`export_torchscript` warns and points to :func:`export_pt2`.
 The command line is ``vitblocks export``.
 """
 import importlib.util
+import os
+import shutil
+import tempfile
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -64,6 +68,20 @@ def _prepare(model: nn.Module, path: PathLike) -> Path:
     return path
 
 
+@contextmanager
+def _written_in_place_at_the_end(path: Path):
+    """Yield where to write ``path``: a fresh hidden folder beside it. Once the export returns, what it wrote there
+    (the file, and ONNX's ``<name>.data`` when the weights go outside) is renamed into place, the model file
+    last; an export that fails or is killed never leaves a truncated file at ``path`` nor replaces a good one."""
+    folder = Path(tempfile.mkdtemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent))
+    try:
+        yield folder / path.name
+        for f in sorted(folder.iterdir(), key=lambda f: f.name == path.name):  # the model file last
+            os.replace(f, path.parent / f.name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _batch_dim() -> dict:
     return {0: torch.export.Dim('batch')}  # the batch dimension symbolic (batch 1 runs too)
 
@@ -93,7 +111,8 @@ def export_pt2(model: nn.Module, path: PathLike, input_size: Optional[Sequence[i
     path = _prepare(model, path)
     x = example_input(model, input_size, _example_batch(batch_size, dynamic_batch))
     program = torch.export.export(model, (x,), dynamic_shapes=(_batch_dim(),) if dynamic_batch else None)
-    torch.export.save(program, str(path))
+    with _written_in_place_at_the_end(path) as tmp:
+        torch.export.save(program, str(tmp))
     return path
 
 
@@ -130,8 +149,24 @@ def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[
         kwargs.update(verbose=False, external_data=external_data)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', torch.jit.TracerWarning)  # timm's shape asserts, constant when traced
-        torch.onnx.export(model, (x,), str(path), **kwargs)
+        with _written_in_place_at_the_end(path) as tmp:
+            torch.onnx.export(model, (x,), str(tmp), **kwargs)
+            _check_opset(tmp, opset)
     return path
+
+
+def _check_opset(path: Path, opset: Optional[int]) -> None:
+    """torch's dynamo exporter keeps its own opset when it cannot convert to the one asked for (it only logs
+    that): an opset the file does not have is an error, not a silently different file."""
+    if opset is None:
+        return
+    import onnx
+    got = {imp.version for imp in onnx.load(str(path), load_external_data=False).opset_import
+           if imp.domain in ('', 'ai.onnx')}
+    if got != {opset}:
+        raise ValueError(f'asked for ONNX opset {opset}, but the exporter wrote opset {", ".join(map(str, got))} '
+                         f'(torch\'s dynamo exporter starts at 18; older opsets need dynamo=False, '
+                         f'--onnx-exporter legacy)')
 
 
 @torch.no_grad()
@@ -147,7 +182,8 @@ def export_torchscript(model: nn.Module, path: PathLike, input_size: Optional[Se
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', torch.jit.TracerWarning)
         traced = torch.jit.trace(model, (x,))
-    torch.jit.save(traced, str(path))
+    with _written_in_place_at_the_end(path) as tmp:
+        torch.jit.save(traced, str(tmp))
     return path
 
 

@@ -149,6 +149,9 @@ def write_safetensors(model: nn.Module, path: PathLike, metadata: Dict[str, str]
     os.close(fd)
     try:
         save_model(model, tmp, metadata=metadata)  # shared tensors stored once, made contiguous
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode (a server reads it)
         os.replace(tmp, path)  # atomic on POSIX and Windows (same directory, same file system)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -173,6 +176,14 @@ def read_deployed_metadata(path: PathLike) -> Dict[str, str]:
         raise DeployedCheckpointError(
             f'{path} is a safetensors file but not a vitblocks deployed checkpoint ({found}; expected {FORMAT!r}). '
             f'For plain weights use safetensors.torch.load_file and model.load_state_dict')
+    for key in (*SIZE_KEYS, *PREPROCESSING_KEYS, 'block_cfg'):  # JSON values: read here, where the path is known
+        if key in metadata:
+            try:
+                json.loads(metadata[key])
+            except ValueError:
+                raise DeployedCheckpointError(f'{path}: its metadata {key}={metadata[key][:80]!r} is not JSON; the '
+                                              f'header was damaged or edited: re-save the file with '
+                                              f'vitblocks.deploy.io.save_deployed') from None
     return metadata
 
 

@@ -296,10 +296,11 @@ class AFBO(nn.Module):
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
         self.layout.set_grid(feat_size)
-        # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below
+        # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below,
+        # and so does torch.export: the inference path's Python loop over batch slices would fix the batch size
         if not torch.jit.is_scripting():
             if (x.device.type == 'cpu' and not (self.training or torch.is_grad_enabled())
-                    and self._has_inference_path()):
+                    and not torch.compiler.is_exporting() and self._has_inference_path()):
                 return self._forward_inference(x)
         cf = self.layout.channels_first
         if cf:

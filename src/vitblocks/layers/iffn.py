@@ -295,7 +295,8 @@ class IFFN(nn.Module):
                 raise ValueError(f'IFFN (channels_first) expects (B, C, H, W), got shape {tuple(x.shape)}')
             x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C), a view
         elif x.ndim == 3:
-            check_grid(self.layout, x.shape[1], type(self).__name__)  # fail early, before any compute
+            if self.spatial is not None:  # without a spatial part (LVT's class attention) tokens need no grid
+                check_grid(self.layout, x.shape[1], type(self).__name__)  # fail early, before any compute
         elif x.ndim != 4:
             raise ValueError(f'IFFN expects tokens (B, N, C) or a map, got shape {tuple(x.shape)}')
 

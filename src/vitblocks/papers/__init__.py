@@ -34,7 +34,9 @@ COMPLEXITY_FIELDS = {'params_m': 'params (M)', 'gmacs': 'GMACs'}
 _PAPER_KEYS = {'key', 'title', 'authors', 'venue', 'method', 'macs', 'tables'}
 _TABLE_KEYS = {'number', 'caption', 'macs', 'input_size', 'rows'}
 _ROW_KEYS = {'label', 'group', 'model', 'ffn', 'block_cfg', 'base_kwargs', 'reparam', 'macs', 'params_m', 'gmacs',
-             'top1', 'throughput', 'note'}
+             'top1', 'throughput', 'note', 'ours_params_m', 'ours_gmacs'}
+# optional: our own count where a row's note explains a gap to the published one (row attribute -> published one)
+_OURS_FIELDS = {'ours_params_m': 'params_m', 'ours_gmacs': 'gmacs'}
 _MACS_KEYS = {'include_norms', 'norm_macs_per_element', 'include_attention', 'note'}
 
 
@@ -96,6 +98,10 @@ class PaperRow:
     macs: Optional[MacConvention] = None  # this row's counting convention, where it differs from its table's
     throughput: Optional[float] = None  # published images/s (display only: other hardware)
     decimals: Dict[str, int] = field(default_factory=dict)  # complexity field -> decimals the paper printed
+    # our own count (M, G) for a row whose note explains why it differs from the published one: the
+    # note says why, this pins what (the tests hold the model to it)
+    ours_params_m: Optional[float] = None
+    ours_gmacs: Optional[float] = None
 
     def agrees_when_rounded(self, key: str, ours: float) -> bool:
         """Whether ``ours`` rounds to the published ``key`` at the precision the paper printed it
@@ -234,9 +240,12 @@ def _convention(macs: Any, where: str) -> MacConvention:
 def _row(r: Dict[str, Any], where: str) -> PaperRow:
     _check_keys(r, _ROW_KEYS, {'label', 'model'}, where)
     where = f'{where} ({r["label"]!r})'
-    for k in ('params_m', 'gmacs', 'top1', 'throughput'):
+    for k in ('params_m', 'gmacs', 'top1', 'throughput', *_OURS_FIELDS):
         if r.get(k) is not None and (isinstance(r[k], bool) or not isinstance(r[k], (int, float))):
             raise PaperDataError(f'{where}: {k} must be a number, got {r[k]!r}')
+    for k, published in _OURS_FIELDS.items():
+        if r.get(k) is not None and r.get(published) is None:
+            raise PaperDataError(f'{where}: {k} needs the published {published} it stands beside')
     if not isinstance(r.get('reparam', False), bool):
         raise PaperDataError(f'{where}: reparam must be true or false, got {r["reparam"]!r}')
     for k in ('block_cfg', 'base_kwargs'):
@@ -255,7 +264,8 @@ def _row(r: Dict[str, Any], where: str) -> PaperRow:
                     base_kwargs=dict(r.get('base_kwargs') or {}), params_m=_float(r.get('params_m')),
                     gmacs=_float(r.get('gmacs')), top1=_float(r.get('top1')), group=str(r.get('group', '')),
                     note=str(r.get('note', '')).strip(), reparam=bool(r.get('reparam', False)), macs=macs,
-                    throughput=_float(r.get('throughput')), decimals=decimals)
+                    throughput=_float(r.get('throughput')), decimals=decimals,
+                    ours_params_m=_float(r.get('ours_params_m')), ours_gmacs=_float(r.get('ours_gmacs')))
 
 
 def _float(v) -> Optional[float]:

@@ -134,9 +134,14 @@ class MacReport:
 
 
 def fixed_image_size(model: nn.Module) -> Optional[Tuple[int, int]]:
-    """(H, W) a model's patch embedding was built for, if it accepts that size only (timm
-    ``PatchEmbed`` with ``strict_img_size`` and no ``dynamic_img_size``), else None."""
+    """(H, W) a model was built for, if it accepts that size only (timm ``PatchEmbed`` with
+    ``strict_img_size`` and no ``dynamic_img_size``; GC ViT, whose windows and relative-position
+    tables follow ``img_size``), else None."""
     from timm.layers import PatchEmbed
+    from timm.models.gcvit import GlobalContextVit
+    if isinstance(model, GlobalContextVit):  # the stem reduces by 4; the first stage keeps that grid
+        h, w = model.stages[0].feat_size
+        return 4 * int(h), 4 * int(w)
     embed = next((m for m in model.modules() if isinstance(m, PatchEmbed)), None)
     if embed is None or embed.img_size is None or getattr(embed, 'dynamic_img_size', False) \
             or not getattr(embed, 'strict_img_size', True):

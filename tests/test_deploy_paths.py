@@ -1,0 +1,148 @@
+"""Deploy paths of every block family: exports that fail keep what was there, files that load by name alone,
+`vitblocks bench --weights` against a baseline, and damaged metadata."""
+import importlib.util
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import timm
+import torch
+
+import vitblocks  # noqa: F401  (registers the models)
+from vitblocks.cli import bench as bench_cmd
+from vitblocks.cli import main
+from vitblocks.deploy import reparameterize
+from vitblocks.deploy.export import check_export, export_onnx, export_pt2
+from vitblocks.deploy.io import DeployedCheckpointError, load_deployed, save_deployed, write_safetensors
+from vitblocks.profile import count_params, input_size_of
+
+
+def _has(*packages):
+    return all(importlib.util.find_spec(p) is not None for p in packages)
+
+
+def _tiny(name='bench_repa_vit_tiny_patch4_32'):
+    torch.manual_seed(0)
+    return timm.create_model(name).eval()
+
+
+# --- exports are written in place at the end ------------------------------------------------------------------
+
+def test_a_failed_export_keeps_the_previous_file_and_leaves_no_partial_one(tmp_path, monkeypatch):
+    model = reparameterize(_tiny())
+    path = export_pt2(model, tmp_path / 'm.pt2')
+    good = path.read_bytes()
+
+    def save_half_then_fail(program, f):
+        Path(f).write_bytes(good[:100])
+        raise OSError(28, 'No space left on device')
+
+    monkeypatch.setattr(torch.export, 'save', save_half_then_fail)
+    with pytest.raises(OSError, match='No space left'):
+        export_pt2(model, path)
+    assert path.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ['m.pt2']
+    assert check_export(path, model) < 1e-5
+
+    code = main(['export', 'bench_repa_vit_tiny_patch4_32', '--reparam', '--format', 'pt2', '--out', str(path)])
+    assert code == 2 and path.read_bytes() == good  # the command line: one line, the file unchanged
+
+
+def test_cli_write_error_is_one_line_and_names_what_was_kept(tmp_path, monkeypatch, capsys):
+    out = tmp_path / 'm.pt2'
+    out.write_bytes(b'previous')
+    monkeypatch.setattr(torch.export, 'save', lambda program, f: (_ for _ in ()).throw(OSError(28, 'No space left')))
+    code = main(['export', 'bench_repa_vit_tiny_patch4_32', '--reparam', '--format', 'pt2', '--out', str(out)])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f'cannot write {out}: No space left; the existing file is unchanged' in err
+    assert out.read_bytes() == b'previous'
+
+
+@pytest.mark.skipif(not _has('onnx', 'onnxscript'), reason='needs onnx and onnxscript')
+def test_an_opset_the_dynamo_exporter_did_not_write_is_an_error(tmp_path):
+    model = reparameterize(_tiny())
+    with pytest.raises(ValueError, match='asked for ONNX opset 13, but the exporter wrote opset 18'):
+        export_onnx(model, tmp_path / 'm.onnx', opset=13)
+    assert list(tmp_path.iterdir()) == []
+    import onnx
+    path = export_onnx(model, tmp_path / 'm.onnx', opset=18)
+    assert [i.version for i in onnx.load(str(path)).opset_import if i.domain == ''] == [18]
+
+
+def test_deployed_files_get_the_usual_file_mode(tmp_path):
+    path = tmp_path / 'm.safetensors'
+    path.write_bytes(b'')
+    os.chmod(path, 0o644)
+    save_deployed(_tiny(), path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+# --- every family exports with a free batch and deploys by name ------------------------------------------------
+
+def test_afbo_exports_with_a_free_batch_dimension(tmp_path):
+    """Exported under no_grad, AFBO's eager inference path (a Python loop over batch slices) would fix the batch."""
+    model = reparameterize(_tiny('bench_afbo_vit_tiny_patch4_32'))
+    path = export_pt2(model, tmp_path / 'afbo.pt2')
+    assert check_export(path, model, batch_size=3) < 1e-4
+    assert check_export(path, model, batch_size=1) < 1e-4
+
+
+def test_iffn_lvt_runs_deployed_its_class_attention_iffns_have_no_grid():
+    torch.manual_seed(0)
+    model = timm.create_model('iffn_lvt', num_classes=10).eval()
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        want = model(x)
+        got = reparameterize(model)(x)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_gcvit_records_the_image_size_it_was_built_for(tmp_path):
+    torch.manual_seed(0)
+    model = timm.create_model('afbo_gcvit_xxtiny', img_size=128, num_classes=10).eval()
+    assert input_size_of(model) == (3, 128, 128)  # the size bench, export and profile feed it
+    path = save_deployed(model, tmp_path / 'gc.safetensors')
+    loaded = load_deployed(None, path)  # by the file alone
+    x = torch.randn(2, 3, 128, 128)
+    with torch.no_grad():
+        assert torch.allclose(loaded(x), reparameterize(model)(x), rtol=1e-4, atol=1e-5)
+
+
+def test_damaged_metadata_is_a_deployed_checkpoint_error(tmp_path):
+    path = save_deployed(_tiny(), tmp_path / 'm.safetensors')
+    from safetensors import safe_open
+    with safe_open(str(path), framework='pt') as f:
+        metadata = f.metadata()
+    bad = write_safetensors(load_deployed(None, path), tmp_path / 'bad.safetensors', {**metadata, 'num_classes': 'x0'})
+    with pytest.raises(DeployedCheckpointError, match=r"its metadata num_classes='x0' is not JSON"):
+        load_deployed(None, bad)
+
+
+# --- vitblocks bench --weights ---------------------------------------------------------------------------------
+
+def _bench_args(**kw):
+    base = dict(num_classes=None, img_size=None, block_cfg=None, weights=None, reparam=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_bench_weights_deploys_the_baseline_too(tmp_path):
+    weights = save_deployed(_tiny(), tmp_path / 'repa.safetensors')
+    base = 'bench_iffn_vit_tiny_patch4_32'
+    models = bench_cmd._models(_bench_args(weights=str(weights)), 'bench_repa_vit_tiny_patch4_32', base)
+    deployed_iffn = count_params(reparameterize(timm.create_model(base)))
+    assert deployed_iffn < count_params(timm.create_model(base))
+    assert count_params(models[f'{base} (baseline)']) == deployed_iffn
+
+
+def test_bench_weights_builds_an_any_size_baseline_without_the_files_img_size(tmp_path):
+    weights = save_deployed(_tiny(), tmp_path / 'repa.safetensors')  # records img_size=[32, 32]
+    models = bench_cmd._models(_bench_args(weights=str(weights)), 'bench_repa_vit_tiny_patch4_32', 'poolformer_s12')
+    baseline = models['poolformer_s12 (baseline)']
+    assert baseline.num_classes == 10
+    with torch.no_grad():
+        assert baseline(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+    with pytest.raises(bench_cmd.CliError, match="cannot build poolformer_s12: .*img_size"):  # asked for: an error
+        bench_cmd._models(_bench_args(img_size=[32]), 'bench_repa_vit_tiny_patch4_32', 'poolformer_s12')
