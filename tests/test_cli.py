@@ -75,22 +75,22 @@ def test_list_shows_every_registered_model(capsys):
 def test_list_params_are_the_real_counts(capsys):
     code, out, _ = run(capsys, 'list', '--method', 'iffn', '--filter', 'deit_tiny', '--params')
     assert code == 0
-    expected = count_params(timm.create_model('iffn_deit_tiny_patch16_224')) / 1e6
     line = next(l for l in out.splitlines() if l.startswith('iffn_deit_tiny_patch16_224 '))
-    assert line.split()[3] == f'{expected:.2f}'
+    assert line.split()[3] == '5.00'  # 4,998,184 parameters (IFFN Table 1: 5.0 M)
 
 
 # --- profile ---------------------------------------------------------------------------------------
 
 def test_profile_prints_params_and_both_gmacs(capsys):
-    model = timm.create_model('deit_tiny_patch16_224')
+    """DeiT-T, counted by hand: 5,717,416 parameters (timm: 5.72 M). MACs without norms: the patch embedding
+    196 * 768 * 192, per block (x12, 197 tokens) qkv 197 * 192 * 576, proj 197 * 192^2, the two attention
+    matmuls 2 * 3 * 197^2 * 64 and the MLP 2 * 197 * 192 * 768, and the head 192 * 1000: 1,253,683,200. The 25
+    LayerNorms add 2 MACs per element of 197 x 192: 1,255,574,400."""
     code, out, _ = run(capsys, 'profile', 'deit_tiny_patch16_224')
     assert code == 0
-    assert f'{count_params(model):,}' in out
-    with_norms, without = count_macs(model, include_norms=True), count_macs(model)
-    assert re.search(rf'GMACs\s+{with_norms.gmacs:.3f}\s+with norms', out)
-    assert re.search(rf'^\s+{without.gmacs:.3f}\s+without norms', out, re.M)
-    assert with_norms.gmacs != without.gmacs
+    assert re.search(r'^params\s+5,717,416\b', out, re.M)
+    assert re.search(r'GMACs\s+1\.256\s+with norms', out)
+    assert re.search(r'^\s+1\.254\s+without norms', out, re.M)
     for component in ('stem / patch embed', 'token mixer', 'FFN', 'head', 'total'):
         assert re.search(rf'^\s+{re.escape(component)}\s', out, re.M)
     assert 'blocks.0' in out  # top modules at depth 2
@@ -120,8 +120,8 @@ def test_component_names():
 def test_profile_block_cfg(capsys):
     code, out, _ = run(capsys, 'profile', 'iffn_deit_tiny_patch16_224', '--block-cfg', 'kernel_size=7', '--top', '1')
     assert code == 0
-    expected = count_params(timm.create_model('iffn_deit_tiny_patch16_224', block_cfg=dict(kernel_size=7)))
-    assert f'{expected:,}' in out and 'kernel_size=7' in out
+    # 4,998,184 at kernel 3; the 768-channel depthwise conv of each of the 12 blocks grows by 768 * (49 - 9)
+    assert re.search(r'^params\s+5,366,824\b', out, re.M) and 'kernel_size=7' in out
 
 
 # --- user errors: one line on stderr, exit code 2 ---------------------------------------------------

@@ -11,8 +11,10 @@ from vitblocks.cli.common import ArgumentParser
 
 
 def _manual_norms(model, x):
-    """The probe's numbers computed by running the blocks by hand (eval mode, no hooks)."""
+    """The probe's numbers computed by running the blocks by hand (eval mode, no hooks): per block the mean
+    token norms of X_in, attn branch, X_mid, MLP branch, X_out, and the mean per-token cos(X_in, X_out)."""
     tok = lambda t: t.norm(dim=-1).mean().item()
+    cos = lambda u, v: ((u * v).sum(-1) / (u.norm(dim=-1) * v.norm(dim=-1))).mean().item()
     rows = []
     with torch.no_grad():
         h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
@@ -21,7 +23,7 @@ def _manual_norms(model, x):
             mid = h + a
             m = blk.ls2(blk.mlp(blk.norm2(mid if type(blk).__name__ == 'Block' else h)))
             out = blk(h)
-            rows.append((tok(h), tok(a), tok(mid), tok(m), tok(out)))
+            rows.append((tok(h), tok(a), tok(mid), tok(m), tok(out), cos(h, out)))
             h = out
     return rows
 
@@ -32,12 +34,12 @@ def test_probe_on_deit_tiny_matches_manual_computation():
     report = residual_growth(model, x, name='deit_tiny')
     assert report.model == 'deit_tiny' and report.input_shape == (2, 3, 64, 64)
     assert [b.index for b in report.blocks] == list(range(12))
-    for b, (s_in, a, mid, m, out) in zip(report.blocks, _manual_norms(model, x)):
+    for b, (s_in, a, mid, m, out, cos) in zip(report.blocks, _manual_norms(model, x)):
         assert b.stream_in == pytest.approx(s_in, rel=1e-5) and b.attn == pytest.approx(a, rel=1e-5)
         assert b.stream_mid == pytest.approx(mid, rel=1e-5) and b.mlp == pytest.approx(m, rel=1e-5)
         assert b.stream_out == pytest.approx(out, rel=1e-5)
         assert b.attn_ratio == pytest.approx(a / s_in) and b.mlp_ratio == pytest.approx(m / mid)
-        assert 0 < b.attn_ratio < math.inf and -1 <= b.cosine <= 1
+        assert 0 < b.attn_ratio < math.inf and b.cosine == pytest.approx(cos, rel=1e-5)
     # the stream leaving block i is the stream entering block i + 1
     for prev, nxt in zip(report.blocks, report.blocks[1:]):
         assert prev.stream_out == pytest.approx(nxt.stream_in, rel=1e-6)
@@ -61,8 +63,9 @@ def test_probe_on_vitblocks_models(name, kwargs, size):
     x = torch.randn(2, *size)
     report = residual_growth(model, x)
     assert len(report.blocks) == len(model.blocks)
-    for b, (s_in, a, mid, m, out) in zip(report.blocks, _manual_norms(model, x)):
-        assert (b.stream_in, b.attn, b.mlp, b.stream_out) == pytest.approx((s_in, a, m, out), rel=1e-5)
+    for b, (s_in, a, mid, m, out, cos) in zip(report.blocks, _manual_norms(model, x)):
+        got = (b.stream_in, b.attn, b.mlp, b.stream_out, b.cosine)
+        assert got == pytest.approx((s_in, a, m, out, cos), rel=1e-5)
 
 
 def test_probe_rejects_models_without_vit_blocks():
