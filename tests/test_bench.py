@@ -157,14 +157,18 @@ class FakeEvent:
 def test_cuda_steps_are_timed_with_events_after_a_device_sync(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'Event', FakeEvent)
     monkeypatch.setattr(torch.cuda, 'synchronize', lambda device=None: FakeEvent.log.append('device sync'))
+    monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: f'stream of {device}')
+    monkeypatch.setattr(FakeEvent, 'record', lambda self, stream=None: (setattr(self, 't', self.clock[0]),
+                                                                        self.log.append(f'record on {stream}')))
     FakeEvent.log.clear()
-    timer = step_timer('cuda:0')
-    assert isinstance(timer, CudaEventTimer) and timer.device == torch.device('cuda', 0)
+    timer = step_timer('cuda:1')
+    assert isinstance(timer, CudaEventTimer) and timer.device == torch.device('cuda', 1)
     timer.start()
     FakeEvent.clock[0] += 12.5  # the GPU works 12.5 ms
     assert timer.stop() == 12.5
-    # the queue is drained before the start event, and the end event is waited for before reading it
-    assert FakeEvent.log == ['device sync', 'record', 'record', 'event sync']
+    # the queue is drained before the start event, and the end event is waited for before reading it; both
+    # events are recorded on the timed device's stream, not the current device's
+    assert FakeEvent.log == ['device sync', 'record on stream of cuda:1', 'record on stream of cuda:1', 'event sync']
     assert isinstance(step_timer('cpu'), WallTimer)
 
 

@@ -146,3 +146,39 @@ def test_bench_weights_builds_an_any_size_baseline_without_the_files_img_size(tm
         assert baseline(torch.randn(1, 3, 32, 32)).shape == (1, 10)
     with pytest.raises(bench_cmd.CliError, match="cannot build poolformer_s12: .*img_size"):  # asked for: an error
         bench_cmd._models(_bench_args(img_size=[32]), 'bench_repa_vit_tiny_patch4_32', 'poolformer_s12')
+
+
+# --- vitblocks export: --check fails, a deployed file is --weights, stale external data ------------------------
+
+def test_export_check_fails_above_its_tolerance(tmp_path, monkeypatch, capsys):
+    out = tmp_path / 'm.pt2'
+    argv = ['export', 'bench_repa_vit_tiny_patch4_32', '--reparam', '--format', 'pt2', '--out', str(out), '--check']
+    assert main(argv) == 0
+    text, _ = capsys.readouterr()
+    assert float(text.split('max abs error ')[1].split()[0]) <= 1e-3
+    from vitblocks.cli import export as export_cmd
+    monkeypatch.setattr(export_cmd, 'check_export', lambda *a, **k: 0.25)  # a file that computes something else
+    assert main(argv) == 1
+    _, err = capsys.readouterr()
+    assert 'check failed: max abs error 0.25 > --check-tol 0.001' in err
+    assert main([*argv, '--check-tol', '0.5']) == 0
+    capsys.readouterr()
+    assert main(argv[:-1] + ['--check-tol', '0.5']) == 2  # a tolerance without the check it tunes
+    assert '--check-tol is the tolerance of --check' in capsys.readouterr()[1]
+
+
+def test_export_checkpoint_that_is_a_deployed_file_says_use_weights(tmp_path, capsys):
+    weights = save_deployed(_tiny(), tmp_path / 'd.safetensors')
+    code = main(['export', 'bench_repa_vit_tiny_patch4_32', '--checkpoint', str(weights), '--format', 'pt2',
+                 '--out', str(tmp_path / 'm.pt2')])
+    _, err = capsys.readouterr()
+    assert code == 2 and f'--checkpoint {weights} is a deployed file (save_deployed); pass it as --weights' in err
+
+
+@pytest.mark.skipif(not _has('onnx', 'onnxscript'), reason='needs onnx and onnxscript')
+def test_a_self_contained_onnx_export_removes_the_external_data_of_the_file_it_replaces(tmp_path):
+    model = reparameterize(_tiny())
+    path = export_onnx(model, tmp_path / 'm.onnx', external_data=True)
+    assert (tmp_path / 'm.onnx.data').is_file()
+    export_onnx(model, path)  # small: one self-contained file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['m.onnx']

@@ -8,8 +8,8 @@ from safetensors import SafetensorError
 
 from ..deploy import reparameterize
 from ..deploy.export import FORMATS, ExportDependencyError, check_export, export_onnx, export_pt2, export_torchscript
-from ..deploy.io import (DeployedCheckpointError, load_deployed, read_deployed_metadata, recorded_preprocessing,
-                         recorded_sizes, save_deployed)
+from ..deploy.io import (DeployedCheckpointError, is_deployed_file, load_deployed, read_deployed_metadata,
+                         recorded_preprocessing, recorded_sizes, save_deployed)
 from ..profile import count_params, input_size_of
 from .common import (CliError, add_model_size_args, build_model, check_writable_file, load_trained_model,
                      model_size_kwargs, parse_block_cfg, positive_int, resolve)
@@ -78,7 +78,10 @@ def add_parser(subparsers) -> None:
                         "one")
     p.add_argument('--check', action='store_true',
                    help='run the exported file (torch.export.load / onnxruntime) and print the max abs error vs '
-                        'PyTorch')
+                        'PyTorch; exit 1 when it exceeds --check-tol')
+    p.add_argument('--check-tol', type=float, default=1e-3, metavar='TOL',
+                   help='largest max abs error --check accepts (default 1e-3: fp32 round-off passes, a wrong '
+                        'fold or a frozen dimension does not)')
     p.set_defaults(run=run)
 
 
@@ -134,6 +137,10 @@ def _check_deployed(path: Path, model, size, batch: int) -> float:
 def _check_args(args) -> None:
     if args.weights and args.checkpoint:
         raise CliError('--weights (deployed) and --checkpoint (training form) both give the weights; pick one')
+    if args.checkpoint and is_deployed_file(args.checkpoint):
+        raise CliError(f'--checkpoint {args.checkpoint} is a deployed file (save_deployed); pass it as --weights')
+    if args.check_tol != 1e-3 and not args.check:
+        raise CliError('--check-tol is the tolerance of --check; add --check or drop it')
     if args.format == 'safetensors' and args.weights:
         raise CliError(f'--weights {args.weights} is a deployed safetensors file already; copy it instead')
     if args.format == 'safetensors' and args.static_batch:
@@ -209,4 +216,8 @@ def run(args) -> int:
         runtime = {'onnx': 'onnxruntime', 'pt2': 'torch.export.load', 'safetensors': 'load_deployed by the file '
                    'alone'}.get(args.format, 'torch.jit.load')
         print(f'check: max abs error {err:.3g} vs PyTorch ({runtime}, batch {batch})')
+        if not err <= args.check_tol:  # NaN fails too
+            print(f'vitblocks export: error: check failed: max abs error {err:.3g} > --check-tol {args.check_tol:g}; '
+                  f'{args.out} was written but does not compute what the model does', file=sys.stderr)
+            return 1
     return 0

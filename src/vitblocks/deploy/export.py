@@ -152,6 +152,10 @@ def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[
         with _written_in_place_at_the_end(path) as tmp:
             torch.onnx.export(model, (x,), str(tmp), **kwargs)
             _check_opset(tmp, opset)
+            stale = not tmp.with_name(tmp.name + '.data').exists()  # an earlier export's weights, now no one's
+    data = path.with_name(path.name + '.data')
+    if stale and data.is_file():
+        data.unlink()
     return path
 
 

@@ -109,7 +109,8 @@ class WallTimer:
 
 
 class CudaEventTimer:
-    """Milliseconds between two CUDA events recorded around a step on the current stream.
+    """Milliseconds between two CUDA events recorded around a step on ``device``'s current stream (not the
+    current device's: ``cuda:1`` is timed on GPU 1).
 
     ``start`` first synchronizes the device, so no earlier work is counted; ``stop`` waits for
     the end event, so all of the step's kernels are."""
@@ -121,10 +122,10 @@ class CudaEventTimer:
 
     def start(self) -> None:
         torch.cuda.synchronize(self.device)
-        self._begin.record()
+        self._begin.record(torch.cuda.current_stream(self.device))
 
     def stop(self) -> float:
-        self._end.record()
+        self._end.record(torch.cuda.current_stream(self.device))
         self._end.synchronize()
         return self._begin.elapsed_time(self._end)
 
@@ -153,6 +154,9 @@ def check_bench_options(device: Union[str, torch.device], amp: Optional[str] = N
         raise BenchOptionError('device', device, 'expected cpu, cuda or cuda:N')
     if dev.type == 'cuda' and not torch.cuda.is_available():
         raise BenchOptionError('device', device, 'CUDA is not available here; use cpu')
+    if dev.type == 'cuda' and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise BenchOptionError('device', device, f'this machine has {torch.cuda.device_count()} GPU(s), cuda:0 to '
+                                                 f'cuda:{torch.cuda.device_count() - 1}')
     if compile_mode is not None and not compile:
         raise BenchOptionError('compile_mode', compile_mode, 'given without compiling; add compile or drop the mode')
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
@@ -171,8 +175,12 @@ def _check_amp(dev: torch.device, amp: str) -> None:
     dtype = AMP_DTYPES[amp]
     if not torch.amp.is_autocast_available(dev.type):
         raise BenchOptionError('amp', amp, f'torch has no autocast for {dev.type}; drop amp')
-    if dev.type == 'cuda' and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise BenchOptionError('amp', amp, f'{torch.cuda.get_device_name(dev)} has no bfloat16 support; use fp16')
+    if dev.type == 'cuda' and dtype == torch.bfloat16:
+        # is_bf16_supported asks the current device: make it cuda:N's (plain 'cuda' is the current one)
+        with torch.cuda.device(dev.index) if dev.index is not None else nullcontext():
+            supported = torch.cuda.is_bf16_supported()
+        if not supported:
+            raise BenchOptionError('amp', amp, f'{torch.cuda.get_device_name(dev)} has no bfloat16 support; use fp16')
     # autocast disables itself (a warning, then fp32) for a dtype the device does not support: probe it
     w = torch.ones(2, 2, device=dev)
     try:
