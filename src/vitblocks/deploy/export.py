@@ -19,11 +19,7 @@ users: :func:`export_torchscript` warns and points to :func:`export_pt2`.
 The command line is ``vitblocks export``.
 """
 import importlib.util
-import os
-import shutil
-import tempfile
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -31,6 +27,7 @@ import torch
 from torch import nn
 
 from ..profile import input_size_of
+from .io import written_in_place_at_the_end
 
 __all__ = ['export_pt2', 'export_onnx', 'export_torchscript', 'check_export', 'example_input', 'ExportDependencyError',
            'FORMATS', 'ONNX_PROTOBUF_LIMIT', 'weight_bytes']
@@ -68,20 +65,6 @@ def _prepare(model: nn.Module, path: PathLike) -> Path:
     return path
 
 
-@contextmanager
-def _written_in_place_at_the_end(path: Path):
-    """Yield where to write ``path``: a fresh hidden folder beside it. Once the export returns, what it wrote there
-    (the file, and ONNX's ``<name>.data`` when the weights go outside) is renamed into place, the model file
-    last; an export that fails or is killed never leaves a truncated file at ``path`` nor replaces a good one."""
-    folder = Path(tempfile.mkdtemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent))
-    try:
-        yield folder / path.name
-        for f in sorted(folder.iterdir(), key=lambda f: f.name == path.name):  # the model file last
-            os.replace(f, path.parent / f.name)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def _batch_dim() -> dict:
     return {0: torch.export.Dim('batch')}  # the batch dimension symbolic (batch 1 runs too)
 
@@ -111,7 +94,7 @@ def export_pt2(model: nn.Module, path: PathLike, input_size: Optional[Sequence[i
     path = _prepare(model, path)
     x = example_input(model, input_size, _example_batch(batch_size, dynamic_batch))
     program = torch.export.export(model, (x,), dynamic_shapes=(_batch_dim(),) if dynamic_batch else None)
-    with _written_in_place_at_the_end(path) as tmp:
+    with written_in_place_at_the_end(path) as tmp:
         torch.export.save(program, str(tmp))
     return path
 
@@ -149,7 +132,7 @@ def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[
         kwargs.update(verbose=False, external_data=external_data)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', torch.jit.TracerWarning)  # timm's shape asserts, constant when traced
-        with _written_in_place_at_the_end(path) as tmp:
+        with written_in_place_at_the_end(path) as tmp:
             torch.onnx.export(model, (x,), str(tmp), **kwargs)
             _check_opset(tmp, opset)
             stale = not tmp.with_name(tmp.name + '.data').exists()  # an earlier export's weights, now no one's
@@ -186,7 +169,7 @@ def export_torchscript(model: nn.Module, path: PathLike, input_size: Optional[Se
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', torch.jit.TracerWarning)
         traced = torch.jit.trace(model, (x,))
-    with _written_in_place_at_the_end(path) as tmp:
+    with written_in_place_at_the_end(path) as tmp:
         torch.jit.save(traced, str(tmp))
     return path
 

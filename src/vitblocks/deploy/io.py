@@ -18,13 +18,15 @@ the file alone: name and sizes come from it::
 Files written before the sizes were recorded still load when the sizes are given
 (``load_deployed(name, path, num_classes=10, img_size=32)``).
 
-Writes are atomic (a temporary file in the target directory, then ``os.replace``), so an
+Writes are atomic (into a hidden folder beside the target, then ``os.replace``), so an
 interrupted save never leaves a truncated checkpoint under the final name. Reading a missing,
 corrupt or foreign file raises :class:`DeployedCheckpointError` saying which and what to do.
 """
 import json
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Union
 
@@ -140,22 +142,31 @@ def recorded_preprocessing(metadata: Dict[str, str]) -> Dict[str, list]:
     return {k: json.loads(metadata[k]) for k in PREPROCESSING_KEYS if k in metadata}
 
 
+@contextmanager
+def written_in_place_at_the_end(path: Path):
+    """Yield where to write ``path``: a fresh hidden folder beside it. Once the write returns, what it wrote there
+    (the file, and ONNX's ``<name>.data`` when the weights go outside) is renamed into place (``os.replace``:
+    same directory, same file system), the named file last; a write that fails or is killed never leaves a
+    truncated file at ``path`` nor replaces a good one."""
+    folder = Path(tempfile.mkdtemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent))
+    try:
+        yield folder / path.name
+        for f in sorted(folder.iterdir(), key=lambda f: f.name == path.name):  # the named file last
+            os.replace(f, path.parent / f.name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def write_safetensors(model: nn.Module, path: PathLike, metadata: Dict[str, str]) -> Path:
-    """Write ``model``'s state dict and ``metadata`` to ``path`` atomically (a temporary file in
-    the same directory, then ``os.replace``); parent directories are created. Returns the path."""
+    """Write ``model``'s state dict and ``metadata`` to ``path`` atomically (``written_in_place_at_the_end``);
+    parent directories are created. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
-    os.close(fd)
-    try:
-        save_model(model, tmp, metadata=metadata)  # shared tensors stored once, made contiguous
+    with written_in_place_at_the_end(path) as tmp:
+        save_model(model, str(tmp), metadata=metadata)  # shared tensors stored once, made contiguous
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode (a server reads it)
-        os.replace(tmp, path)  # atomic on POSIX and Windows (same directory, same file system)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors writes its files 0600; give the usual mode (a server reads it)
     return path
 
 
