@@ -237,6 +237,25 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
     assert read_stop_record(tmp_path / 'run') is None and (tmp_path / 'run' / 'results.json').exists()
 
 
+class NaNInEval(NaNAfter):
+    """Finite while training, NaN in evaluation (as after a last optimizer step that broke the weights)."""
+
+    def forward(self, x):
+        y = self.net(x)
+        return y if self.training else y * float('nan')
+
+
+def test_nan_evaluation_loss_stops_before_saving(data, tmp_path):
+    cfg = tiny_cfg(data, tmp_path, checkpoint_interval=2, mixup=0, cutmix=0, model_ema=False)
+    with pytest.raises(TrainingDiverged, match=r'loss is nan at the evaluation after step (\d+) \(evaluation loss\); '
+                       r'stopped; the last good checkpoint is .*last\.pth') as err:
+        train(cfg, model=NaNInEval(bad=0))
+    ckpt = load_checkpoint(tmp_path / 'run' / 'last.pth')  # the interval checkpoint, not the end of the epoch
+    assert 0 < ckpt['global_step'] < int(re.search(r'after step (\d+)', str(err.value)).group(1))
+    assert not (tmp_path / 'run' / 'best.pth').exists() and not (tmp_path / 'run' / 'results.json').exists()
+    assert read_stop_record(tmp_path / 'run')['reason'] == 'diverged'
+
+
 def test_any_other_error_is_recorded_with_its_type(data, tmp_path, monkeypatch):
     def out_of_memory(self, batches):
         raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB\nmore details')

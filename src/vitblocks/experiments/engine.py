@@ -479,6 +479,10 @@ class Trainer:
                        progress=self.progress.mode)
         res_ema = evaluate(self.ema.module, self.val_loader, self.num_classes, self.device, autocast=self.autocast(),
                            progress=self.progress.mode) if self.ema is not None else None
+        for which, r in (('', res), ('EMA ', res_ema)):
+            # checked before anything is saved: NaN weights must not replace last.pth or best.pth
+            if r is not None and self._any_rank(not math.isfinite(r.loss)):
+                raise self._diverged(r.loss, f'the {which}evaluation after step {self.global_step} (evaluation loss)')
         if self.log is not None:
             for split, r in (('val', res), ('val_ema', res_ema)):
                 if r is not None:
