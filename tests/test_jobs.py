@@ -186,11 +186,14 @@ def test_reproduce_time_limit_pauses_a_run_that_cannot_finish_and_a_rerun_resume
     assert 'vitblocks reproduce: stopped by SIGINT' in child_log.read_text()
     # re-run on a budget it can finish: it resumes from the checkpoint
     argv[argv.index('--max-steps') + 1] = step + 2
-    del argv[argv.index('--time-limit'):argv.index('--time-limit') + 2]
+    argv[argv.index('--time-limit'):argv.index('--time-limit') + 2] = ['--jobs', 2]  # still in a child process
     code, out, err = run_cli(capsys, *argv)
     assert code == 0, err
     assert json.loads((run_dir / 'results.json').read_text())['global_step'] == step + 2
     assert not (run_dir / 'stopped.json').exists()
+    # the child trained only (its line in its log); the table is the parent's, in --output and on stdout
+    assert 'mnist MlpMixer: top-1 ' in child_log.read_text() and 'NiNformer Table 1' not in child_log.read_text()
+    assert 'NiNformer Table 1' in out and (tmp_path / 'out' / 'table.txt').read_text().strip() in out
 
 
 @pytest.mark.parametrize('value', ['0', '-5', 'nan', 'inf', 'soon'])

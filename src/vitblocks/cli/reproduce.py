@@ -10,7 +10,7 @@ from ..experiments import blocks_benchmark as bench
 from ..experiments.plots import TradeoffPoint, plot_curves, plot_tradeoff
 from ..experiments.config import load_recipe
 from ..experiments.jobs import Job, run_jobs
-from ..experiments.runlog import write_json
+from ..experiments.runlog import write_json, write_text_atomic
 from ..experiments.reproduce import (NINFORMER_DATASETS, ninformer_data, ninformer_jobs, ninformer_log,
                                       ninformer_own_models, ninformer_table1, table_rows)
 from .common import CliError, positive_float, positive_int, render_table
@@ -140,7 +140,7 @@ def _write_table(args, title: str, table, budget: str, t0: float, notes_after=()
     text = '\n'.join(lines)
     print(text)
     Path(args.output).mkdir(parents=True, exist_ok=True)
-    (Path(args.output) / ('table.md' if args.md else 'table.txt')).write_text(text + '\n')
+    write_text_atomic(Path(args.output) / ('table.md' if args.md else 'table.txt'), text + '\n')
 
 
 # --- ninformer-table1 ---------------------------------------------------------------------------------
@@ -168,6 +168,8 @@ def _ninformer(args) -> int:
                             output=args.output, dropout=dropout, threads=args.threads, models=models,
                             extra=parse_overrides(args.overrides))
     if args.train_only:
+        for r in runs:
+            print(f'{r.dataset} {r.label}: ' + (f'top-1 {r.top1:.2f} ({r.run_dir})' if r.top1 is not None else r.note))
         return 0
     missing = [] if 'cifar100' in datasets else [
         'note: CIFAR-100 (paper: 53.78 for NiNformer) is not run: it is not available here']
@@ -178,7 +180,8 @@ def _ninformer(args) -> int:
 
 def _ninformer_child(args, dataset: str, model: str, dropout: float):
     return [sys.executable, '-m', 'vitblocks', 'reproduce', args.target, '--datasets', dataset, '--models', model,
-            '--dropout', str(dropout), '--device', args.device, '--output', args.output] + _budget_flags(args)
+            '--dropout', str(dropout), '--train-only', '--device', args.device, '--output', args.output] \
+        + _budget_flags(args)
 
 
 # --- cifar10-blocks -----------------------------------------------------------------------------------
