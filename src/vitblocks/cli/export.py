@@ -7,7 +7,8 @@ import torch
 from safetensors import SafetensorError
 
 from ..deploy import reparameterize
-from ..deploy.export import FORMATS, ExportDependencyError, check_export, export_onnx, export_pt2, export_torchscript
+from ..deploy.export import (FORMATS, ExportDependencyError, check_export, export_onnx, export_pt2, export_torchscript,
+                             traced_batch_size)
 from ..deploy.io import (DeployedCheckpointError, is_deployed_file, load_deployed, read_deployed_metadata,
                          recorded_preprocessing, recorded_sizes, save_deployed)
 from ..profile import count_params, input_size_of
@@ -202,8 +203,11 @@ def run(args) -> int:
         print(f'wrote safetensors {path} ({path.stat().st_size / 2 ** 20:.1f} MiB, records '
               f'{" ".join(f"{k}={v}" for k, v in recorded.items())})')
     else:
-        print(f'wrote {args.format} {path} ({path.stat().st_size / 2 ** 20:.1f} MiB{extra}, input {args.batch_size}x'
-              f'{"x".join(map(str, size))}, {time.perf_counter() - t0:.1f} s)')
+        # a dynamic batch is traced at 2 or more (torch.export fixes a batch of 1); the file runs any batch
+        dynamic = not args.static_batch and args.format in ('pt2', 'onnx')
+        traced = traced_batch_size(args.batch_size, dynamic and args.onnx_exporter == 'dynamo')
+        print(f'wrote {args.format} {path} ({path.stat().st_size / 2 ** 20:.1f} MiB{extra}, input {traced}x'
+              f'{"x".join(map(str, size))}{", batch dynamic" if dynamic else ""}, {time.perf_counter() - t0:.1f} s)')
     if args.check:
         batch = args.batch_size if args.static_batch else args.batch_size + 1
         try:

@@ -69,7 +69,7 @@ def _batch_dim() -> dict:
     return {0: torch.export.Dim('batch')}  # the batch dimension symbolic (batch 1 runs too)
 
 
-def _example_batch(batch_size: int, dynamic_batch: bool) -> int:
+def traced_batch_size(batch_size: int, dynamic_batch: bool) -> int:
     """torch.export specializes a size-1 dimension to the constant 1, so a dynamic batch is traced
     with an example batch of at least 2 (the exported program still runs batch 1)."""
     return max(batch_size, 2) if dynamic_batch else batch_size
@@ -92,7 +92,7 @@ def export_pt2(model: nn.Module, path: PathLike, input_size: Optional[Sequence[i
         dynamic_batch: leave the batch dimension symbolic, so any batch size runs.
     """
     path = _prepare(model, path)
-    x = example_input(model, input_size, _example_batch(batch_size, dynamic_batch))
+    x = example_input(model, input_size, traced_batch_size(batch_size, dynamic_batch))
     program = torch.export.export(model, (x,), dynamic_shapes=(_batch_dim(),) if dynamic_batch else None)
     with written_in_place_at_the_end(path) as tmp:
         torch.export.save(program, str(tmp))
@@ -120,7 +120,7 @@ def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[
     if external_data and not dynamo:
         raise ValueError('external_data is an option of the dynamo exporter; drop it or use dynamo=True')
     path = _prepare(model, path)
-    x = example_input(model, input_size, _example_batch(batch_size, dynamic_batch and dynamo))
+    x = example_input(model, input_size, traced_batch_size(batch_size, dynamic_batch and dynamo))
     kwargs = dict(input_names=['input'], output_names=['output'], opset_version=opset, dynamo=dynamo)
     if dynamic_batch and dynamo:
         kwargs['dynamic_shapes'] = (_batch_dim(),)
