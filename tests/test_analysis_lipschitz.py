@@ -91,3 +91,44 @@ def test_model_lipschitz_per_block_and_unsupported_ffns():
     assert len(afbo) == 1 and afbo[0].sdp is None and 'not of the form' in afbo[0].note
     with pytest.raises(ValueError, match='out of range'):
         model_lipschitz(timm.create_model('deit_tiny_patch16_224', **kw), torch.randn(1, 3, 16, 16), blocks=[5])
+
+
+def _tiny_poolformer():
+    """timm's PoolFormer (channels-first blocks, 1x1-conv Mlp with GELU), shrunk."""
+    from timm.models.metaformer import GroupNorm1, MetaFormer, Pooling
+    torch.manual_seed(0)
+    return MetaFormer(depths=(1, 1, 1, 1), dims=(8, 8, 8, 8), num_classes=3, token_mixers=Pooling,
+                      norm_layers=GroupNorm1, mlp_act=torch.nn.GELU, use_mlp_head=False).eval()
+
+
+def test_channels_first_ffn_is_bounded_like_its_token_wise_twin():
+    """PoolFormer's FFN reads (B, C, H, W) maps: the bounds must be those of the same weights as a
+    channels-last Mlp on the same tokens (not a reading of W as the channel axis, nor a shape error)."""
+    model = _tiny_poolformer()
+    x = torch.randn(2, 3, 64, 64)
+    (got,) = model_lipschitz(model, x, blocks=[0])
+    conv = model.stages[0].blocks[0].mlp
+    assert got.kind == 'Mlp' and got.sdp is not None
+    twin = timm.layers.Mlp(8, 32, bias=False).eval()
+    with torch.no_grad():
+        twin.fc1.weight.copy_(conv.fc1.weight.flatten(1))
+        twin.fc2.weight.copy_(conv.fc2.weight.flatten(1))
+    seen = {}
+    h = conv.register_forward_pre_hook(lambda m, a: seen.setdefault('x', a[0]))
+    with torch.no_grad():
+        model(x)
+    h.remove()
+    want = ffn_lipschitz(twin, seen['x'].permute(0, 2, 3, 1), name=got.name)  # (B, C, H, W) -> (B, H, W, C)
+    assert got.naive == pytest.approx(want.naive, rel=1e-9)
+    assert got.sdp == pytest.approx(want.sdp, rel=1e-3)
+    assert got.empirical == pytest.approx(want.empirical, rel=1e-6)
+    assert got.module_empirical == pytest.approx(want.module_empirical, rel=0.05)  # power iteration from another start
+    assert got.empirical <= got.sdp * (1 + 1e-6) <= got.naive * (1 + 1e-6)
+
+
+def test_ffn_lipschitz_rejects_tokens_of_another_width():
+    with pytest.raises(ValueError, match='have 5 channels last, the FFN reads 8'):
+        ffn_lipschitz(_trained_like_iffn(), torch.randn(2, 8, 5))
+    conv = _tiny_poolformer().stages[0].blocks[0].mlp
+    with pytest.raises(ValueError, match=r'\(B, H, W, C\) for a 1x1-conv FFN'):
+        ffn_lipschitz(conv, torch.randn(2, 16, 8))  # tokens, but the module wants a map

@@ -202,6 +202,10 @@ def ffn_lipschitz(ffn: nn.Module, tokens: torch.Tensor, name: str = '', solver: 
     kind = type(ffn).__name__
     if form is None:
         return FfnLipschitz(name, kind, note=why)
+    if tokens.shape[-1] != form.w0.shape[1] or (_channels_first(ffn) and tokens.ndim != 4):
+        raise ValueError(f'{name or kind}: tokens of shape {tuple(tokens.shape)} have {tokens.shape[-1]} channels '
+                         f'last, the FFN reads {form.w0.shape[1]}; give channels-last tokens (B, N, C) or (B, H, W, C) '
+                         f'((B, H, W, C) for a 1x1-conv FFN; a (B, C, H, W) map: permute(0, 2, 3, 1))')
     tokens = tokens.detach().double()
     flat = tokens.reshape(-1, tokens.shape[-1])  # (B, N, C) -> (B*N, C): f acts token by token
     form64 = AffnForm(form.w0.double(), None if form.b0 is None else form.b0.double(),
@@ -223,9 +227,14 @@ def ffn_lipschitz(ffn: nn.Module, tokens: torch.Tensor, name: str = '', solver: 
 def _module_jacobian_lower_bound(ffn: nn.Module, tokens: torch.Tensor, iters: int) -> float:
     """Largest Jacobian norm of the module as built (per image: its spatial part mixes tokens)."""
     module = copy.deepcopy(ffn).double().eval()
-    cf = getattr(getattr(module, 'layout', None), 'channels_first', False)
-    x = tokens.permute(0, 3, 1, 2) if cf and tokens.ndim == 4 else tokens  # (B, H, W, C) -> (B, C, H, W)
+    x = tokens.permute(0, 3, 1, 2) if _channels_first(ffn) else tokens  # (B, H, W, C) -> (B, C, H, W)
     return jacobian_norm_lower_bound(module, x.contiguous(), iters=iters).max().item()
+
+
+def _channels_first(ffn: nn.Module) -> bool:
+    """Whether ``ffn`` reads channels-first ``(B, C, H, W)`` maps: its fc1 is a 1x1 conv (timm's
+    ``Mlp(use_conv=True)`` and a channels-first IFFN, as in PoolFormer)."""
+    return isinstance(getattr(ffn, 'fc1', None), nn.Conv2d)
 
 
 @torch.no_grad()
@@ -248,4 +257,6 @@ def model_lipschitz(model: nn.Module, images: torch.Tensor, solver: str = 'SCS',
             raise ValueError(f'block indices {bad} out of range: the model has {len(ffns)} blocks (0..{len(ffns) - 1})')
         ffns = [ffns[i] for i in blocks]
     inputs = capture_inputs(model, ffns, images)
+    # channels-first FFNs (PoolFormer) received (B, C, H, W) maps: (B, C, H, W) -> (B, H, W, C), as ffn_lipschitz reads
+    inputs = {n: inputs[n].permute(0, 2, 3, 1) if _channels_first(m) else inputs[n] for n, m in ffns}
     return [ffn_lipschitz(m, inputs[n], name=n, solver=solver, iters=iters) for n, m in ffns]
