@@ -114,6 +114,27 @@ def test_sequential_vs_parallel_on_parallel_and_value_glu_blocks(tmp_path):
     assert plot_divergence(curves, tmp_path / 'd.png').read_bytes()[:4] == b'\x89PNG'
 
 
+def test_sequential_vs_parallel_uses_the_shared_norm_of_a_parallel_block():
+    """A parallel block with one LayerNorm (``shared_norm``, its norm2 an identity) feeds LN1 to the MLP: X_par
+    is then the block's own output, and X_seq normalizes X_i + A before its MLP."""
+    torch.manual_seed(0)
+    model = timm.create_model('mabvit_glu_parallel_vit_tiny_patch16_224', img_size=32, depth=2,
+                              block_cfg={'shared_norm': True}).eval()
+    assert isinstance(model.blocks[0].norm2, torch.nn.Identity)
+    x = torch.randn(2, 3, 32, 32)
+    rows = sequential_vs_parallel(model, x)
+
+    def tok(t):
+        return t.norm(dim=-1).mean().item()
+    with torch.no_grad():
+        h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
+        for r, blk in zip(rows, model.blocks):
+            mid = h + blk.ls1(blk.attn(blk.norm1(h)))
+            seq, par = mid + blk.ls2(blk.mlp(blk.norm1(mid))), blk(h)
+            assert (r.distance, r.update) == pytest.approx((tok(seq - par), tok(seq - h)), rel=1e-5)
+            h = par
+
+
 def _cli(*argv):
     parser = ArgumentParser(prog='vitblocks')
     analyze.add_parser(parser.add_subparsers(dest='command', required=True))

@@ -173,7 +173,8 @@ def sequential_vs_parallel(model: nn.Module, inputs: torch.Tensor) -> List[Block
         sequential:  X_seq = X_i + A(LN1 X_i);  X_seq += M(LN2 X_seq)     ("Standard Pre-LN", X_{i+2})
         parallel:    X_par = X_i + A(LN1 X_i) + M(LN2 X_i)                ("Parallel Pre-LN", X_{j+1})
 
-    (A, M include layer-scale ``ls1``/``ls2``). The two differ only through ``M(LN2 X_seq) -
+    (A, M include layer-scale ``ls1``/``ls2``; LN2 is LN1 in a parallel block with one shared LayerNorm,
+    ``shared_norm``, whose ``norm2`` is an identity). The two differ only through ``M(LN2 X_seq) -
     M(LN2 X_i)``, so the distance vanishes when the MLP branch outputs zero, and it is small
     relative to ``|X_i|`` when the stream dominates the attention update (the paper's argument).
     The block's own forward (sequential or parallel) only decides which ``X_i`` the next block sees.
@@ -188,9 +189,10 @@ def sequential_vs_parallel(model: nn.Module, inputs: torch.Tensor) -> List[Block
     def measure(i: int):
         def hook(blk, args, output):  # after the block ran, so grid-tracking pre-hooks have set layouts
             x = args[0]
+            norm2 = blk.norm1 if getattr(blk, 'shared_norm', False) else blk.norm2  # ParallelBlock(shared_norm=True)
             mid = x + blk.ls1(blk.attn(blk.norm1(x)))
-            seq = mid + blk.ls2(blk.mlp(blk.norm2(mid)))
-            par = mid + blk.ls2(blk.mlp(blk.norm2(x)))
+            seq = mid + blk.ls2(blk.mlp(norm2(mid)))
+            par = mid + blk.ls2(blk.mlp(norm2(x)))
             results.append(BlockDivergence(i, _token_norm(x).item(), _token_norm(seq - par).item(),
                                            _token_norm(seq - x).item()))
         return hook
