@@ -1,4 +1,6 @@
 """`vitblocks analyze lipschitz|entropy|gradcam|breakdown`: tables, plots and errors on tiny models."""
+import os
+
 import pytest
 import torch
 
@@ -72,3 +74,40 @@ def test_errors_are_clear(tmp_path):
         _cli('entropy', 'deit_tiny_patch16_224', '--model-kwargs', TINY, '--data', str(tmp_path / 'none'), '--no-plot')
     with pytest.raises(SystemExit):  # argparse: not a YAML mapping
         _cli('entropy', 'deit_tiny_patch16_224', '--model-kwargs', '[1, 2]')
+
+
+def test_plot_path_is_checked_before_any_model_runs(tmp_path, capsys):
+    run = ('entropy', 'deit_tiny_patch16_224', '--model-kwargs', TINY, '--num-images', '2')
+    with pytest.raises(CliError, match='no folder .*missing; create it first'):
+        _cli(*run, '--out', str(tmp_path / 'missing' / 'e.png'))
+    with pytest.raises(CliError, match=r'cannot write a \.txt figure; give a name ending in \.png'):
+        _cli(*run, '--out', str(tmp_path / 'e.txt'))
+    with pytest.raises(CliError, match='no file suffix'):  # matplotlib would write e.png and we would print e
+        _cli(*run, '--out', str(tmp_path / 'e'))
+    with pytest.raises(CliError, match='--out .* and --no-plot contradict'):
+        _cli(*run, '--out', str(tmp_path / 'e.png'), '--no-plot')
+    assert capsys.readouterr().out == ''  # refused before the analysis ran and printed its table
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_save_leaves_the_previous_figure_in_place(tmp_path, monkeypatch):
+    import matplotlib.image
+
+    from vitblocks.analysis.figures import png_figure
+    path = tmp_path / 'f.png'
+    with png_figure(path) as (_, ax):
+        ax.plot([0, 1])
+    good = path.read_bytes()
+    imsave = matplotlib.image.imsave
+
+    def disk_full(fname, *args, **kwargs):  # a write to a file that stops half-way
+        if not isinstance(fname, (str, os.PathLike)):  # into memory: not the file
+            return imsave(fname, *args, **kwargs)
+        with open(fname, 'wb') as f:
+            f.write(good[:100])
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(matplotlib.image, 'imsave', disk_full)
+    with pytest.raises(OSError, match='No space left'):
+        with png_figure(path) as (_, ax):
+            ax.plot([1, 0])
+    assert path.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ['f.png']

@@ -16,7 +16,9 @@ from torch import nn
 from ..data import DataError, build_dataset, build_pil_transform, eval_split_of
 from ..profile import input_size_of
 from . import analyze_run
-from .common import CliError, build_model, load_trained_model, parse_block_cfg, positive_int, resolve
+from ..analysis.figures import figure_format
+from .common import (CliError, build_model, check_writable_file, load_trained_model, parse_block_cfg, positive_int,
+                     resolve)
 
 NAME = 'analyze'
 
@@ -64,7 +66,8 @@ def add_parser(subparsers) -> None:
         a.add_argument('--block-cfg', nargs='+', metavar='KEY=VALUE', help='override a vitblocks model\'s block config')
         a.add_argument('--seed', type=int, default=0, help='seed for random weights, images and image choice')
         a.add_argument('--threads', type=positive_int, help='torch CPU threads')
-        a.add_argument('--out', metavar='PNG', help=f'plot file (default {name}.png)')
+        a.add_argument('--out', metavar='PNG', help=f'plot file in an existing folder (default {name}.png; '
+                       f'.pdf, .svg, ... for another format)')
         a.add_argument('--no-plot', action='store_true', help='print the table only')
         analyze_run.add_options(name, a)
         a.set_defaults(run=run)
@@ -131,7 +134,25 @@ def load_images(data: Optional[str], n: int, input_size, mean, std, seed: int):
     return (raw - m) / s, raw, labels, ds.classes, f'{n} images of {data} [{split}] {"x".join(map(str, input_size))}'
 
 
+def _plot_path(args) -> Optional[Path]:
+    """Where the plot goes (None with --no-plot), checked before any model is built and run."""
+    if args.no_plot:
+        if args.out:
+            raise CliError(f'--out {args.out} and --no-plot contradict each other; drop one of them')
+        return None
+    out = Path(args.out or f'{args.analysis}.png')
+    try:
+        figure_format(out)
+    except ValueError as e:
+        raise CliError(f'--out {e}') from None
+    if not out.parent.is_dir():
+        raise CliError(f'--out {out}: no folder {out.parent}; create it first or pick another place')
+    check_writable_file(out, '--out')
+    return out
+
+
 def run(args) -> int:
+    out = _plot_path(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     ckpts: List[Optional[str]] = list(args.checkpoints or [None] * len(args.models))
@@ -153,5 +174,4 @@ def run(args) -> int:
     if any(m.mean and (m.mean, m.std) != (mean, std) for m in models):
         raise CliError('the checkpoints were trained with different normalizations; analyze them separately')
     images = load_images(args.data, args.num_images, ref.input_size, mean, std, args.seed)
-    out = None if args.no_plot else Path(args.out or f'{args.analysis}.png')
     return analyze_run.RUNNERS[args.analysis](args, models, images, device, out)
