@@ -76,6 +76,17 @@ def test_errors_are_clear(tmp_path):
         _cli('entropy', 'deit_tiny_patch16_224', '--model-kwargs', '[1, 2]')
 
 
+def test_breakdown_refuses_data_it_would_not_time(tmp_path, capsys):
+    from PIL import Image
+    for cls in ('cat', 'dog'):  # a valid ImageFolder: the images would load, then go unused
+        (tmp_path / 'val' / cls).mkdir(parents=True)
+        Image.new('RGB', (32, 32), (200, 10, 10)).save(tmp_path / 'val' / cls / '0.png')
+    with pytest.raises(CliError, match='--data .*: breakdown times each model on random inputs'):
+        _cli('breakdown', 'deit_tiny_patch16_224', '--model-kwargs', TINY, '--data', str(tmp_path),
+             '--num-images', '2', '--repeats', '1', '--warmup', '1', '--no-plot')
+    assert capsys.readouterr().out == ''  # not "input 2 images of DIR" above a timing of random tensors
+
+
 def test_plot_path_is_checked_before_any_model_runs(tmp_path, capsys):
     run = ('entropy', 'deit_tiny_patch16_224', '--model-kwargs', TINY, '--num-images', '2')
     with pytest.raises(CliError, match='no folder .*missing; create it first'):

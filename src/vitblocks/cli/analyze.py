@@ -152,6 +152,9 @@ def _plot_path(args) -> Optional[Path]:
 
 
 def run(args) -> int:
+    if args.analysis == 'breakdown' and args.data:  # timing does not depend on pixel values
+        raise CliError(f'--data {args.data}: breakdown times each model on random inputs of its own input size '
+                       f'(--num-images of them); drop --data')
     out = _plot_path(args)
     if args.threads:
         torch.set_num_threads(args.threads)
