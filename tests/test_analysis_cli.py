@@ -122,3 +122,20 @@ def test_a_failed_save_leaves_the_previous_figure_in_place(tmp_path, monkeypatch
         with png_figure(path) as (_, ax):
             ax.plot([1, 0])
     assert path.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ['f.png']
+
+
+def test_lipschitz_plot_puts_each_bound_at_its_block(tmp_path, monkeypatch):
+    import contextlib
+
+    from vitblocks.cli import analyze_run
+    drawn, real = {}, analyze_run.png_figure
+
+    @contextlib.contextmanager
+    def keep_lines(path, **kwargs):
+        with real(path, **kwargs) as (fig, ax):
+            yield fig, ax
+            drawn['x'] = [list(line.get_xdata()) for line in ax.get_lines()]
+    monkeypatch.setattr(analyze_run, 'png_figure', keep_lines)
+    assert _cli('lipschitz', 'deit_tiny_patch16_224', '--model-kwargs', TINY, '--num-images', '1', '--blocks', '1',
+                '--out', str(tmp_path / 'l.png')) == 0
+    assert drawn['x'] == [[1], [1], [1]]  # naive, SDP and empirical of blocks.1.mlp at block 1, not block 0

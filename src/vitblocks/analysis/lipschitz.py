@@ -17,6 +17,7 @@ because AGeLU's slope ``alpha * beta * GELU'`` differs per channel. A timm ``Mlp
 part. Where the theorem does not hold (LayerNorm, the depthwise block, bilinear FFNs) the report says so.
 """
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -192,6 +193,7 @@ class FfnLipschitz:
     slope_min: Optional[float] = None  # most negative per-channel slope bound over parts
     slope_max: Optional[float] = None
     note: str = ''
+    block: Optional[int] = None  # index of its block in the model (model_lipschitz), for plots against depth
 
 
 def ffn_lipschitz(ffn: nn.Module, tokens: torch.Tensor, name: str = '', solver: str = 'SCS',
@@ -255,8 +257,10 @@ def model_lipschitz(model: nn.Module, images: torch.Tensor, solver: str = 'SCS',
         bad = [i for i in blocks if not 0 <= i < len(ffns)]
         if bad:
             raise ValueError(f'block indices {bad} out of range: the model has {len(ffns)} blocks (0..{len(ffns) - 1})')
-        ffns = [ffns[i] for i in blocks]
+    indices = list(range(len(ffns))) if blocks is None else list(blocks)
+    ffns = [ffns[i] for i in indices]
     inputs = capture_inputs(model, ffns, images)
     # channels-first FFNs (PoolFormer) received (B, C, H, W) maps: (B, C, H, W) -> (B, H, W, C), as ffn_lipschitz reads
     inputs = {n: inputs[n].permute(0, 2, 3, 1) if _channels_first(m) else inputs[n] for n, m in ffns}
-    return [ffn_lipschitz(m, inputs[n], name=n, solver=solver, iters=iters) for n, m in ffns]
+    return [dataclasses.replace(ffn_lipschitz(m, inputs[n], name=n, solver=solver, iters=iters), block=i)
+            for i, (n, m) in zip(indices, ffns)]

@@ -73,7 +73,7 @@ def _plot_lipschitz(rows_all, path):
     with png_figure(path, figsize=(6.5, 3.6)) as (_, ax):
         for k, (name, rows) in enumerate(rows_all.items()):
             rows = [r for r in rows if r.sdp is not None]
-            i = list(range(len(rows)))
+            i = [r.block for r in rows]  # the model's block index, also where --blocks or unsupported FFNs skip some
             ax.plot(i, [r.naive for r in rows], f'C{k}:', label=f'{name} naive')
             ax.plot(i, [r.sdp for r in rows], f'C{k}-o', label=f'{name} SDP')
             ax.plot(i, [r.empirical for r in rows], f'C{k}--^', label=f'{name} empirical')
