@@ -575,6 +575,24 @@ def test_plot_curves_and_tradeoff(data, tmp_path, capsys):
     assert code == 2 and 'not a run folder' in err
 
 
+def test_a_plot_that_fails_to_save_keeps_the_previous_curves(data, tmp_path, capsys, monkeypatch):
+    import matplotlib.image
+    train(tiny_cfg(data, tmp_path, max_steps=1, model_ema=False))
+    code, _, err = run_cli(capsys, 'plot', tmp_path / 'run', '--no-latency')
+    curves = tmp_path / 'run' / 'curves.png'
+    assert code == 0 and curves.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n', err
+    good = curves.read_bytes()
+
+    def disk_full(fname, *args, **kwargs):  # the PNG writer stops half-way into the file
+        with open(fname, 'wb') as f:
+            f.write(good[:100])
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(matplotlib.image, 'imsave', disk_full)
+    code, _, err = run_cli(capsys, 'plot', tmp_path / 'run', '--no-latency')
+    assert code == 2 and 'cannot write curves.png there (No space left on device)' in err, err
+    assert curves.read_bytes() == good and not list((tmp_path / 'run').glob('.*.tmp'))
+
+
 def test_eval_imagenet_r_restricts_logits_to_its_200_classes(tmp_path, capsys):
     from safetensors.torch import save_file
     from vitblocks.experiments.robustness import _imagenet_synsets, _subset_classes, mean_corruption_error

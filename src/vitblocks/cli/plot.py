@@ -47,7 +47,7 @@ def run(args) -> int:
     try:
         for d in dirs:
             print(f'{plot_curves(d)}')
-    except RuntimeError as e:  # matplotlib missing
+    except ImportError as e:  # matplotlib missing
         raise CliError(str(e)) from None
     except ValueError as e:  # an empty metrics.csv ('no rows yet'), or a hand-edited one
         raise CliError(str(e) if str(d) in str(e) else f'{d / "metrics.csv"}: cannot plot it ({e})') from None

@@ -236,7 +236,7 @@ def _blocks_outputs(args, runs, summaries) -> None:
             plot_curves(r.run_dir)
         points = [TradeoffPoint(s.config, sum(s.top1) / len(s.top1), s.gmacs, s.latency_ms) for s in summaries]
         print(plot_tradeoff(points, out / 'tradeoff.png', f'batch {args.latency_batch or 32}, CPU'))
-    except RuntimeError as e:  # matplotlib missing
+    except ImportError as e:  # matplotlib missing
         print(f'no plots: {e}', file=sys.stderr)
 
 
