@@ -573,6 +573,8 @@ def test_plot_curves_and_tradeoff(data, tmp_path, capsys):
     assert 'ms/batch' in out
     code, _, err = run_cli(capsys, 'plot', tmp_path)
     assert code == 2 and 'not a run folder' in err
+    code, _, err = run_cli(capsys, 'plot', tmp_path / 'a', '--no-latency', '--repeats', 3, '--device', 'cpu')
+    assert code == 2 and '--repeats, --device: options of the latency measurement, which --no-latency skips' in err
 
 
 def test_a_plot_that_fails_to_save_keeps_the_previous_curves(data, tmp_path, capsys, monkeypatch):

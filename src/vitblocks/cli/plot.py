@@ -30,14 +30,24 @@ def add_parser(subparsers) -> None:
     p.add_argument('runs', nargs='+', help='run folders')
     p.add_argument('--output', help='folder for tradeoff.png (default: the first run\'s parent folder)')
     p.add_argument('--no-latency', action='store_true', help='skip the latency measurement')
-    p.add_argument('--latency-batch', type=positive_int, default=32)
-    p.add_argument('--repeats', type=positive_int, default=10)
+    p.add_argument('--latency-batch', type=positive_int, help=f'images per timed batch (default {LATENCY_BATCH})')
+    p.add_argument('--repeats', type=positive_int, help=f'timed batches per model (default {REPEATS})')
     p.add_argument('--threads', type=positive_int)
-    p.add_argument('--device', default='cpu')
+    p.add_argument('--device', help='device the latency is measured on (default cpu)')
     p.set_defaults(run=run)
 
 
+LATENCY_BATCH, REPEATS = 32, 10
+_LATENCY_OPTIONS = ('latency_batch', 'repeats', 'device')
+
+
 def run(args) -> int:
+    given = [f'--{k.replace("_", "-")}' for k in _LATENCY_OPTIONS if getattr(args, k) is not None]
+    if args.no_latency and given:
+        raise CliError(f'{", ".join(given)}: options of the latency measurement, which --no-latency skips; '
+                       f'drop one or the other')
+    args.latency_batch, args.repeats = args.latency_batch or LATENCY_BATCH, args.repeats or REPEATS
+    args.device = args.device or 'cpu'
     dirs = [Path(r) for r in args.runs]
     for d in dirs:
         if not (d / 'metrics.csv').is_file():
