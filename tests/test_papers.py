@@ -167,6 +167,19 @@ def test_attention_off_also_drops_unfused_swin_attention():
     assert full.by_op['bmm'] == full.total - no_attn.total > 0
 
 
+def test_attention_off_keeps_afbo_channel_maps():
+    """AFBO's channel maps are batched matmuls (baddbmm) but not attention: leaving attention out drops the
+    DeiT-Ti attention matmuls and nothing else, in the reference path (meta) and the CPU inference path."""
+    with torch.device('meta'):
+        model = build_model('afbo_deit_tiny_patch16_224')
+    full, no_attn = count_macs(model), count_macs(model, include_attention=False)
+    assert full.total - no_attn.total == 12 * 2 * 3 * 197 * 197 * 64
+    assert no_attn.by_op['baddbmm'] == full.by_op['baddbmm'] > 0
+    layer = build_model('afbo_deit_tiny_patch16_224').blocks[0].mlp  # CPU: no_grad runs AFBO's inference path
+    x = torch.randn(1, 197, 192)
+    assert count_macs(layer, inputs=x, include_attention=False).total == count_macs(layer, inputs=x).total > 0
+
+
 REPA = load_paper('repa')
 
 

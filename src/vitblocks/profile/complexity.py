@@ -21,9 +21,12 @@ Two conventions differ between papers' counters, so both can be declared:
   (``q k^T`` and ``attn v``), as counters that cannot see fused attention do (RePa's Table 1).
   They are recognized by op: the fused ``scaled_dot_product_attention`` kernels, and the batched
   matmuls (``bmm``, ``baddbmm``) that timm's unfused attention runs (Swin) and that SDPA
-  decomposes into on the meta device. A model whose *other* layers use batched matmuls would
-  lose those too; the timm backbones the papers use (ViT, DeiT, Swin, PoolFormer, MLP-Mixer)
-  have none. ``MacReport.by_op`` shows what was counted.
+  decomposes into on the meta device. The channel maps of AFBO and SCHEME
+  (:mod:`vitblocks.layers.channel_maps`) are batched matmuls too, and stay counted: a batched
+  matmul run inside a channel map, or inside a module that holds one (AFBO's inference path calls
+  its maps directly), is channel mixing, not attention. A model whose *other* layers use batched
+  matmuls would lose those; the timm backbones the papers use (ViT, DeiT, Swin, PoolFormer,
+  MLP-Mixer) have none. ``MacReport.by_op`` shows what was counted.
 """
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
@@ -72,6 +75,37 @@ ATTENTION_OPS = (
 
 def _no_flops(*args, out_shape=None, **kwargs) -> int:
     return 0
+
+
+class _ChannelMapScope:
+    """Depth of the forward inside modules that run channel maps, whose batched matmuls are not attention."""
+
+    def __init__(self):
+        self.depth = 0
+
+    def hook(self, model: nn.Module) -> list:
+        """Hooks on every channel map and every module holding one (AFBO calls ``forward_into`` directly)."""
+        from ..layers.channel_maps import ChannelMap
+        handles = []
+        for m in model.modules():
+            if isinstance(m, ChannelMap) or any(isinstance(c, ChannelMap) for c in m.children()):
+                handles.append(m.register_forward_pre_hook(self._enter))
+                handles.append(m.register_forward_hook(self._leave, always_call=True))
+        return handles
+
+    def _enter(self, *args) -> None:
+        self.depth += 1
+
+    def _leave(self, *args) -> None:
+        self.depth -= 1
+
+    def counted_in_channel_maps(self, op):
+        """``op``'s own formula inside a channel map, 0 elsewhere (a batched matmul of attention)."""
+        formula = flop_counter.flop_registry[op]
+
+        def flops(*args, out_shape=None, **kwargs) -> int:
+            return formula(*args, **kwargs) if self.depth else 0
+        return flops
 
 
 def _numel(shape) -> int:
@@ -196,8 +230,12 @@ def count_macs(model: nn.Module, input_size: Optional[Sequence[int]] = None,
     formulas = dict(_EXTRA_FORMULAS)
     if include_norms:
         formulas.update(_NORM_FORMULAS if norm_macs_per_element is None else _flat_norm_formulas(norm_macs_per_element))
+    handles = []
     if not include_attention:
         formulas.update({op: _no_flops for op in ATTENTION_OPS})
+        scope = _ChannelMapScope()  # batched matmuls of channel maps (AFBO, SCHEME) are not attention
+        formulas.update({op: scope.counted_in_channel_maps(op) for op in (_aten.bmm, _aten.baddbmm)})
+        handles = scope.hook(model)
     was_training = model.training
     model.eval()
     try:
@@ -205,6 +243,8 @@ def count_macs(model: nn.Module, input_size: Optional[Sequence[int]] = None,
             model(*inputs)
     finally:
         model.train(was_training)
+        for h in handles:
+            h.remove()
     counts = counter.get_flop_counts()
     by_module = {name: sum(ops.values()) // 2 for name, ops in counts.items()}
     by_op = {str(op).split('.')[-1]: flops // 2 for op, flops in counts.get('Global', {}).items()
