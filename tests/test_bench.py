@@ -205,6 +205,20 @@ def test_timm_record_follows_timm_benchmark():
     assert statistics.median(r.times_ms) == r.median_ms
 
 
+def test_models_get_their_mode_and_gradients_back():
+    """Timing sets eval (or train) mode and runs backward; the caller's mode and .grad come back unchanged."""
+    trained = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2)).train()
+    evaluated = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2)).eval()
+    benchmark_models({'t': trained}, batch_size=2, input_size=(1, 2, 2), warmup=1, repeats=2)
+    assert trained.training and all(m.training for m in trained.modules())
+    grad = torch.full_like(evaluated[0].weight, 7.)
+    evaluated[0].weight.grad = grad
+    benchmark_models({'e': evaluated}, batch_size=2, input_size=(1, 2, 2), warmup=1, repeats=2, train=True)
+    assert not any(m.training for m in evaluated.modules())
+    assert evaluated[0].weight.grad is grad and torch.equal(grad, torch.full_like(grad, 7.))
+    assert evaluated[0].bias.grad is None
+
+
 def test_cpu_runs_count_the_fresh_pages_of_each_timed_batch(monkeypatch):
     """Each timed CPU batch records the minor page faults around its step (not around warm-up)."""
     counter = iter(range(0, 10_000, 100))  # every read of the fault counter: 100 more than the last

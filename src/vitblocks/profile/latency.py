@@ -224,6 +224,22 @@ def amp_kernel_note(device: Union[str, torch.device], amp: Optional[str]) -> Opt
             f'{amp} ratios on a GPU or a CPU with native {amp} (AVX512-{amp.upper()} or AMX)')
 
 
+@contextmanager
+def _restored_state(models: Dict[str, nn.Module], train: bool):
+    """Give each model back its train/eval mode, and with ``train`` its parameters' ``.grad``, on exit."""
+    modes = {name: m.training for name, m in models.items()}
+    grads = {p: p.grad for m in models.values() for p in m.parameters()} if train else {}
+    for p in grads:
+        p.grad = None  # kept aside: backward would accumulate into them
+    try:
+        yield
+    finally:
+        for name, m in models.items():
+            m.train(modes[name])
+        for p, g in grads.items():
+            p.grad = g if g is None or g.device == p.device else g.to(p.device)  # the model moved to `device`
+
+
 def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_size=(3, 224, 224),
                      warmup: int = 3, repeats: int = 10, num_threads: Optional[int] = None,
                      device: str = 'cpu', train: bool = False, amp: Optional[str] = None,
@@ -244,6 +260,9 @@ def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_s
         compile: ``torch.compile`` each model (``compile_mode``: its ``mode``); the first call
             compiles, is timed on its own (``LatencyResult.compile_s``) and precedes ``warmup``.
 
+    Each model is moved to ``device`` (and to channels-last with ``channels_last``); its train/eval
+    mode and, with ``train``, its parameters' ``.grad`` are restored afterwards.
+
     Raises:
         BenchOptionError: options :func:`check_bench_options` rejects.
     """
@@ -263,7 +282,7 @@ def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_s
         if train:
             out.float().sum().backward()
 
-    with fixed_threads(num_threads):
+    with fixed_threads(num_threads), _restored_state(models, train):
         runnable = {}
         for name, m in models.items():
             m.to(dev, memory_format=torch.channels_last if channels_last else torch.preserve_format).train(train)
