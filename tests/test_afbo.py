@@ -400,6 +400,16 @@ def test_counterpart_structures():
     assert isinstance(LocalViTFFN(8, 32, grid_size=(2, 2)).spatial.conv, nn.Conv2d)
 
 
+def test_localvit_ffn_applies_its_norm_layer():
+    """timm Mlp's norm_layer slot (hidden features, before the last 1x1 layer) is used, not dropped."""
+    plain, normed = LocalViTFFN(8, 32, grid_size=(2, 2)), LocalViTFFN(8, 32, grid_size=(2, 2), norm_layer=nn.LayerNorm)
+    assert isinstance(normed.norm, nn.LayerNorm) and count_params(normed) - count_params(plain) == 2 * 32
+    normed.eval()
+    nn.init.zeros_(normed.norm.weight)  # the norm's output is its bias alone: every token maps to the same output
+    y = normed(torch.randn(2, 4, 8))
+    torch.testing.assert_close(y, y[:1, :1].expand_as(y))
+
+
 def test_convnext_block_as_channel_mixer():
     d, k = 16, 7
     ffn = _randomize(ConvNeXtFFN(d, 4 * d, grid_size=(3, 4), num_prefix_tokens=1)).eval()

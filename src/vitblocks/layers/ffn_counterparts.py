@@ -218,7 +218,8 @@ class LocalViTFFN(nn.Module):
     is accepted for the ``Mlp`` vocabulary and ignored. As a swap-in FFN the block's own shortcut
     and pre-norm are kept (LocalViT drops the norm and puts the shortcut inside); prefix tokens
     (class token) go through the 1x1 layers but skip the depthwise conv. The SE/ECA options of
-    LocalViT are not reproduced.
+    LocalViT are not reproduced. ``norm_layer`` (none by default) is timm ``Mlp``'s optional norm on
+    the hidden features before the last 1x1 layer.
     """
 
     def __init__(self, in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
@@ -238,6 +239,7 @@ class LocalViTFFN(nn.Module):
         self.act1 = act()
         self.spatial = _ConvBNAct(hidden, kernel_size, act, **dd)
         self.drop1 = nn.Dropout(drop_probs[0])
+        self.norm = norm_layer(hidden, **dd) if norm_layer is not None else nn.Identity()  # timm Mlp's slot
         self.fc2 = nn.Linear(hidden, out_features, bias=False, **dd)
         self.bn2 = TokenBatchNorm(out_features, **dd)
         self.drop2 = nn.Dropout(drop_probs[1])
@@ -246,5 +248,5 @@ class LocalViTFFN(nn.Module):
         self.layout.set_grid(feat_size)  # timm's PVTv2 passes the grid (feat_size)
         h = self.act1(self.bn1(self.fc1(_to_channels_last(x, self.layout, 'LocalViTFFN'))))
         h = self.drop1(_spatial_channels_last(self.spatial, h, self.layout, 'LocalViTFFN'))
-        y = self.drop2(self.bn2(self.fc2(h)))
+        y = self.drop2(self.bn2(self.fc2(self.norm(h))))
         return y.permute(0, 3, 1, 2) if self.layout.channels_first else y
