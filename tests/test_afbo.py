@@ -180,12 +180,19 @@ def test_registered_names_are_the_variant_names():
 def test_one_activation_registry_for_every_layer():
     """AFBO, IFFN, the counterparts and timm's Mlp accept the same names (and timm's own classes)."""
     from timm.layers.activations import GELU as TimmGELU
-    from vitblocks.layers import ACTIVATIONS, IFFN, create_ffn
+    from vitblocks.layers import ACTIVATIONS, IFFN, MixerGatingUnit, create_ffn
+    from vitblocks.layers.activations import ACTIVATION_ALIASES
     for name in list(ACTIVATIONS) + ['swish']:
         assert AFBO(D, HID, act_layer=name).act_name == IFFN(D, HID, act_layer=name).act.base
-        for ffn in ('mlp', 'conv_glu', 'glu'):
+        for ffn in ('mlp', 'conv_glu', 'glu', 'locality'):
             create_ffn(ffn, D, HID, act_layer=name)
+        act = ACTIVATIONS[ACTIVATION_ALIASES.get(name, name)].module
+        assert isinstance(MixerGatingUnit(D, 4, act_layer=name).mixer.mlp_tokens.act, act)
     assert AFBO(D, HID, act_layer=TimmGELU).act_name == 'gelu'
+    for bad in (lambda: create_ffn('locality', D, HID, act_layer='gelu_fast'),
+                lambda: MixerGatingUnit(D, 4, act_layer='gelu_fast')):
+        with pytest.raises(ValueError, match="unknown activation 'gelu_fast'; use one of gelu, silu"):
+            bad()
 
 
 def test_model_group_numbers_follow_the_chosen_maps():

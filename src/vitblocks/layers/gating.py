@@ -20,10 +20,11 @@ per-token MLP with a depthwise convolution between its two 1x1 layers (Li et al.
 from typing import List, Optional, Tuple, Type, Union
 
 import torch
-from timm.layers import LayerNorm, get_act_layer, to_2tuple, trunc_normal_
+from timm.layers import LayerNorm, to_2tuple, trunc_normal_
 from timm.models.mlp_mixer import MixerBlock
 from torch import nn
 
+from .activations import ACTIVATIONS, activation_name
 from .layout import TokenLayout
 from .registry import register_ffn
 
@@ -54,7 +55,8 @@ class MixerGatingUnit(nn.Module):
             default C/2 as timm's MLP-Mixer).
         channel_mlp_dim: hidden width of its channel-mixing MLP (paper: 512; default 4C).
         proj_bias: bias of the outer ``Linear(I)``.
-        act_layer: activation inside the Mixer MLPs (GELU). The gate itself has none.
+        act_layer: activation inside the Mixer MLPs (name or class of the activation registry,
+            :mod:`vitblocks.layers.activations`; GELU). The gate itself has none.
         norm_layer: the Mixer sub-unit's two norms (default timm LayerNorm).
         drop: dropout inside the Mixer MLPs (the authors' script uses 0.5 in every MLP).
         proj_drop: dropout on the output (MetaFormer passes it; 0 in the paper).
@@ -88,7 +90,8 @@ class MixerGatingUnit(nn.Module):
         # timm's MixerBlock sizes its MLPs as int(ratio * dim); +0.5 keeps that exact under float rounding
         ratios = ((token_mlp_dim + .5) / dim, (channel_mlp_dim + .5) / dim)
         self.mixer = MixerBlock(dim, num_tokens, mlp_ratio=ratios, norm_layer=norm_layer or LayerNorm,
-                                act_layer=get_act_layer(act_layer), drop=drop, **dd)  # the inner network
+                                act_layer=ACTIVATIONS[activation_name(act_layer)].module, drop=drop,
+                                **dd)  # the inner network
         self.proj_drop = nn.Dropout(proj_drop)
         self.init_weights()
 
@@ -145,7 +148,8 @@ class LocalityFFN(nn.Module):
     Args:
         in_features, hidden_features, out_features, bias, drop: as timm's ``Mlp``
             (hidden default 4C).
-        act_layer: activation after fc1 and after the depthwise conv (name or class; h-swish).
+        act_layer: activation after fc1 and after the depthwise conv (name or class of the activation
+            registry, :mod:`vitblocks.layers.activations`; h-swish).
         norm_layer: optional norm before fc2 (timm ``Mlp`` position); none by default.
         kernel_size: depthwise kernel size (3 in LocalViT).
         grid_size, num_prefix_tokens, channels_first, layout: the token layout
@@ -177,7 +181,7 @@ class LocalityFFN(nn.Module):
         hidden_features = hidden_features or 4 * in_features
         self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
-        act_layer = get_act_layer(act_layer)
+        act_layer = ACTIVATIONS[activation_name(act_layer)].module
         if self.layout.channels_first:
             linear = lambda i, o, b: nn.Conv2d(i, o, 1, bias=b, **dd)
         else:
