@@ -127,10 +127,22 @@ def test_dense_map_is_a_linear_layer():
     (dict(occm_groups=1), r'G2=1 is too small'),
     (dict(gccm_groups=1), r'G1=1 is too small'),
     (dict(variant='grouped', block_groups=7), r'G=7 does not divide 192 channels'),
+    (dict(occm_groups=0), r'G2=0 is too small'),  # 0 is a bad group number, not "the default"
+    (dict(gccm_groups=0), r'G1=0 is too small'),
+    (dict(variant='grouped', block_groups=0), r'G=0 is too small'),
 ])
 def test_bad_group_numbers_fail_early_and_say_what_works(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AFBO(192, 768, **kwargs)
+
+
+@pytest.mark.parametrize('variant', ['afbo', 'scfbo_gc', 'afbo_grouped', 'afbo_full'])
+@pytest.mark.parametrize('grad', [True, False])
+def test_input_of_the_wrong_width_is_a_clear_error(variant, grad):
+    """A channel map says which width it takes, on the reference path and AFBO's inference path."""
+    layer = AFBO(D, HID, variant=variant, grid_size=(2, 2)).eval()
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=rf'takes {D} input channels .* shape \['):
+        layer(torch.randn(2, 4, 2 * D))
 
 
 def test_gccm_needs_twice_the_groups_in_the_output():

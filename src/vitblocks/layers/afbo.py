@@ -215,7 +215,8 @@ class AFBO(nn.Module):
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
 
         self.map_kinds = kinds
-        group_of = {kind: groups[arg] or default for kind, (arg, _, default) in _GROUP_ARGS.items()}
+        group_of = {kind: default if groups[arg] is None else groups[arg]  # 0 is checked, not taken for None
+                    for kind, (arg, _, default) in _GROUP_ARGS.items()}
         group_of['dense'] = 1
         if order == 'sm':  # AFBO-S: the FFN's dense fc1 is the one channel mapping, shared by both branches
             self.fc1 = nn.Linear(in_features, hidden_features, bias=bias[0], **dd)

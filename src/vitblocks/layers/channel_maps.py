@@ -106,7 +106,13 @@ class ChannelMap(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def _check_width(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f'this channel map takes {self.in_features} input channels (last dim) to '
+                             f'{self.out_features}, got input of shape {list(x.shape)}')
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_width(x)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)  # (..., d) -> (T, d); a view for contiguous input
         if torch.is_grad_enabled():
@@ -130,6 +136,7 @@ class ChannelMap(nn.Module):
         ``weight`` may be a precomputed :meth:`bmm_weight` (the inference path of AFBO builds it
         once per forward instead of once per batch slice).
         """
+        self._check_width(rows)
         g = self.groups
         w = self.bmm_weight() if weight is None else weight
         out_view = out.view(out.shape[0], g, -1).transpose(0, 1)  # (T, Md) -> (G, T, n) view of out
@@ -159,10 +166,12 @@ class DenseChannelMap(ChannelMap):
         self.init_weights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_width(x)
         return nn.functional.linear(x, self.weight, self.bias)
 
     def forward_into(self, rows: torch.Tensor, out: torch.Tensor,
                      weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check_width(rows)
         w = self.weight if weight is None else weight
         if self.bias is None:
             return torch.mm(rows, w.t(), out=out)
