@@ -429,6 +429,14 @@ def test_localvit_ffn_applies_its_norm_layer():
     torch.testing.assert_close(y, y[:1, :1].expand_as(y))
 
 
+@pytest.mark.parametrize('cls', [ConvGLU, ConvNeXtFFN, LocalViTFFN])
+@pytest.mark.parametrize('kernel_size', [4, 0, 2.5])
+def test_counterpart_kernel_must_be_odd(cls, kernel_size):
+    """An even depthwise kernel with same padding would turn a 3x3 grid into 4x4 (9 tokens in, 16 out)."""
+    with pytest.raises(ValueError, match=f'kernel_size must be a positive odd integer .*got {kernel_size}'):
+        cls(16, 64, kernel_size=kernel_size, grid_size=(3, 3))
+
+
 def test_convnext_block_as_channel_mixer():
     d, k = 16, 7
     ffn = _randomize(ConvNeXtFFN(d, 4 * d, grid_size=(3, 4), num_prefix_tokens=1)).eval()

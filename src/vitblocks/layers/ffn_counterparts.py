@@ -89,6 +89,12 @@ def group_ffn(in_features: int, hidden_features: Optional[int] = None, out_featu
                 **kwargs)
 
 
+def _check_kernel_size(kernel_size: int) -> None:
+    """Same padding needs a positive odd kernel: an even one would grow the grid by one row and column."""
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f'kernel_size must be a positive odd integer (same padding), got {kernel_size!r}')
+
+
 def _to_channels_last(x: torch.Tensor, layout: TokenLayout, owner: str) -> torch.Tensor:
     if layout.channels_first:
         if x.ndim != 4:
@@ -123,6 +129,7 @@ class ConvGLU(nn.Module):
         out_features = out_features or in_features
         hidden = int(2 * (hidden_features or 4 * in_features) / 3)
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
+        _check_kernel_size(kernel_size)
         self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
         self.hidden_features = hidden
         self.fc1 = nn.Linear(in_features, 2 * hidden, bias=bias[0], **dd)
@@ -171,6 +178,7 @@ class ConvNeXtFFN(nn.Module):
         out_features = out_features or in_features
         hidden = hidden_features or 4 * in_features
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
+        _check_kernel_size(kernel_size)
         self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
         self.dwconv = nn.Conv2d(in_features, in_features, kernel_size, padding=kernel_size // 2, groups=in_features,
                                 **dd)
@@ -233,6 +241,7 @@ class LocalViTFFN(nn.Module):
         hidden = hidden_features or 4 * in_features
         act = _act_class(act_layer)
         drop_probs = to_2tuple(drop)
+        _check_kernel_size(kernel_size)
         self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
         self.fc1 = nn.Linear(in_features, hidden, bias=False, **dd)
         self.bn1 = TokenBatchNorm(hidden, **dd)
