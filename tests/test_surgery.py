@@ -88,6 +88,30 @@ def test_swap_errors():
         vitblocks.swap_ffn(model, 'iffn', include=lambda name: False)
 
 
+_TINY_VIT = dict(img_size=32, patch_size=8, depth=2, embed_dim=48, num_heads=2)
+
+
+@pytest.mark.parametrize('built, swap', [
+    ('iffn_deit_tiny_patch16_224', lambda m: vitblocks.swap_ffn(m, 'mlp')),  # IFFN's fc1 is half the width
+    ('iffn_deit_tiny_patch16_224', lambda m: vitblocks.swap_ffn(m, 'afbo')),
+    ('afbo_deit_tiny_patch16_224', lambda m: vitblocks.swap_ffn(m, 'iffn')),  # AFBO has no fc1
+    ('repa_deit_tiny_patch16_224', lambda m: vitblocks.swap_ffn(m, 'iffn')),  # the unit owns norm2 and the shortcut
+    ('iffn_deit_tiny_patch16_224', lambda m: vitblocks.swap_residual_ffn(m, 'repa')),
+])
+def test_a_slot_vitblocks_already_swapped_is_refused(built, swap):
+    """A second swap into a vitblocks model would read the first block's widths as the backbone's (IFFN
+    -> MLP: hidden 2D, not 4D), fail deep inside (AFBO has no fc1), or leave a rewired RePa block with
+    a plain FFN and no residual; it is an error naming the slot, and the model is left as it was."""
+    model = timm.create_model(built, **_TINY_VIT)
+    before = [type(b.mlp) for b in model.blocks]
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp already holds '\w+'.*freshly built timm model"):
+        swap(model)
+    assert [type(b.mlp) for b in model.blocks] == before
+    fresh = timm.create_model('deit_tiny_patch16_224', **_TINY_VIT)
+    vitblocks.swap_ffn(fresh, 'iffn', include=lambda q: q == 'blocks.0.mlp')
+    assert vitblocks.swap_ffn(fresh, 'afbo', include=lambda q: q == 'blocks.1.mlp') == 1  # another slot: fine
+
+
 def test_include_and_mlp_ratio():
     model = timm.create_model('deit_tiny_patch16_224')
     n = vitblocks.swap_ffn(model, 'iffn', include=lambda name: name in ('blocks.0.mlp', 'blocks.11.mlp'),

@@ -34,7 +34,7 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from .lvvit import LVViTBlock
-from .surgery import _mlp_dims
+from .surgery import SWAPPED_ATTR, _mlp_dims, check_not_swapped
 
 __all__ = ['swap_residual_ffn', 'register_residual_ffn', 'list_residual_ffns', 'RESIDUAL_FFN_REGISTRY',
            'ResidualFFNViTBlock', 'ResidualFFNSwinBlock', 'ResidualFFNMetaFormerBlock', 'ResidualFFNMixerBlock']
@@ -195,6 +195,8 @@ def swap_residual_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float]
     if not selected:
         raise ValueError(f'swap_residual_ffn: include= selected none of the {len(slots)} blocks of '
                          f'{type(model).__name__} (e.g. {slots[0][0]!r})')
+    for qualname, block, recipe in selected:  # all checked before any is replaced
+        check_not_swapped(getattr(block, recipe.unit), f'{qualname}.{recipe.unit}')
     schedules = {}
     for key in unit.per_layer:
         if isinstance(cfg.get(key), (list, tuple)):
@@ -222,6 +224,7 @@ def swap_residual_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float]
             drop_path=_drop_rate(getattr(block, recipe.drop_path)),
             bias=bias, device=ref.device, dtype=ref.dtype, **layer_cfg)
         new.train(old.training)
+        setattr(new, SWAPPED_ATTR, name)
         setattr(block, recipe.unit, new)
         for attr in (recipe.norm, recipe.layer_scale, recipe.res_scale, recipe.constant_scale):
             if attr:

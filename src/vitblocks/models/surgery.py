@@ -186,6 +186,23 @@ def _mlp_dims(mlp: nn.Module) -> Tuple[int, int, int, bool]:
     return c_in, hidden, c_out, fc1.bias is not None
 
 
+SWAPPED_ATTR = '_vitblocks_ffn'  # set on every module swap_ffn / swap_residual_ffn puts into a model: its registry name
+
+
+def check_not_swapped(old: nn.Module, qualname: str) -> None:
+    """Refuse a slot that already holds a block vitblocks swapped in: its module no longer has the backbone
+    MLP's widths (IFFN's fc1 is half the hidden width, GLU's double, AFBO has no fc1), and a residual unit
+    owns the block's pre-norm and shortcut, so a second swap would build the wrong width, drop the residual
+    or fail deep inside."""
+    swapped = getattr(old, SWAPPED_ATTR, None)
+    if swapped is None and type(old).__module__.startswith('vitblocks.layers'):  # e.g. a fused (deployed) unit
+        swapped = type(old).__name__
+    if swapped is not None:
+        raise ValueError(f'{qualname} already holds {swapped!r}, swapped in by vitblocks: its widths are not the '
+                         f"backbone MLP's; swap into a freshly built timm model (the timm base, not a vitblocks "
+                         f'model)')
+
+
 def _inherited(name: str, old: nn.Module, cfg: dict) -> dict:
     """The knobs the new FFN takes over from the MLP it replaces (``register_ffn(inherits=...)``),
     unless the caller set them: the two dropout rates, and the activation by its registry name."""
@@ -222,16 +239,18 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
         dtype of the module they replace, in the model's current train/eval mode.
 
     Raises:
-        ValueError: if the model has no supported slot (or ``include`` selected none).
+        ValueError: if the model has no supported slot (or ``include`` selected none), or a selected
+            slot already holds a block vitblocks swapped in (build the timm base afresh instead).
     """
     slots = find_ffn_slots(model)
     if not slots:
         raise ValueError(f'swap_ffn found no channel MLP in {type(model).__name__}; supported timm families: '
                          f'{", ".join(SUPPORTED_FAMILIES)}')
+    selected = [slot for slot in slots if include is None or include(slot[2])]
+    for parent, attr, qualname, _ in selected:  # all checked before any is replaced
+        check_not_swapped(getattr(parent, attr), qualname)
     count = 0
-    for parent, attr, qualname, layout in slots:
-        if include is not None and not include(qualname):
-            continue
+    for parent, attr, qualname, layout in selected:
         old = getattr(parent, attr)
         c_in, hidden, c_out, bias = _mlp_dims(old)
         if mlp_ratio is not None:
@@ -240,6 +259,7 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
         kwargs = dict(bias=bias, **_inherited(name, old, cfg), **cfg)
         new = create_ffn(name, c_in, hidden, c_out, layout=layout, device=ref.device, dtype=ref.dtype, **kwargs)
         new.train(old.training)
+        setattr(new, SWAPPED_ATTR, name)
         if isinstance(parent, PvtV2Block) and not _takes_feat_size(new):
             new.register_forward_pre_hook(_drop_feat_size)  # the block calls mlp(x, feat_size)
         setattr(parent, attr, new)
