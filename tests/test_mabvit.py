@@ -186,6 +186,19 @@ def test_block_cfg_overrides_and_errors():
         timm.create_model('mabvit_glu_vit_tiny_patch16_224', block_cfg=dict(mlp_ratio=3))
 
 
+@pytest.mark.parametrize('config', ['mabvit_glu', 'mabvit_glu_parallel', 'mabvit_parallel'])
+def test_benchmark_models_build_the_value_activation_their_block_cfg_names(config):
+    """The CIFAR-10 benchmark's MABViT models take ``value_act`` like the paper's models: a given
+    activation is the one built (it was always SwiGLU), and parallel blocks stay parallel."""
+    from vitblocks.models.blocks_bench import bench_model_name
+    with torch.device('meta'):
+        model = timm.create_model(bench_model_name(config), block_cfg=dict(value_act='gelu'))
+    attn = model.blocks[0].attn
+    assert isinstance(attn, ValueActivationAttention) and attn.value_act == 'gelu'
+    assert isinstance(attn.v_act, nn.GELU) and not attn.gated_value
+    assert isinstance(model.blocks[0], ParallelBlock) == config.endswith('parallel')
+
+
 def _arch_params(arch: str, variant: str) -> int:
     with torch.device('meta'):
         return count_params(timm.create_model(f'mabvit_{variant}_{arch}'))

@@ -55,8 +55,9 @@ def _ffn(name, model, cfg):
 
 def _mabvit(model, cfg):
     cfg = dict(cfg)
-    if cfg.pop('value_act', None):
-        swap_value_attention(model, 'swiglu')
+    value_act = cfg.pop('value_act', None)
+    if value_act:
+        swap_value_attention(model, value_act)
     if cfg.pop('parallel', False):
         make_parallel(model)
     if cfg:
