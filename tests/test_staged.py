@@ -71,3 +71,37 @@ def test_prune_intermediate_layers(name, prune_norm):
     kept_head = copy.deepcopy(model)
     kept_head.prune_intermediate_layers(3, prune_head=False)  # the last 3 stages: nothing is cut
     assert len(kept_head.stages) == 4 and torch.equal(kept_head(X), model(X))
+
+
+@pytest.mark.parametrize('name', list(SMALL))
+def test_grad_checkpointing_recomputes_the_same_numbers(name):
+    """timm's ``set_grad_checkpointing`` (its ``train.py --grad-checkpointing`` calls it on every model):
+    forward, forward_intermediates and every gradient are those of the plain model."""
+    model = _build(name)
+    x = X.clone().requires_grad_(True)
+    calls = []
+    model.stages[-1].register_forward_pre_hook(lambda *_: calls.append(1))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        calls.clear()
+        out = model(x)
+        out.square().sum().backward()
+        runs = len(calls)  # a checkpointed stage runs again in the backward pass
+        inter = model.forward_intermediates(X, intermediates_only=True)
+        return out.detach(), inter, {n: p.grad.clone() for n, p in model.named_parameters()}, x.grad.clone(), runs
+
+    ref_out, ref_inter, ref_grads, ref_x, ref_runs = run()
+    model.set_grad_checkpointing()
+    assert model.grad_checkpointing
+    out, inter, grads, x_grad, runs = run()
+    assert (ref_runs, runs) == (1, 2)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(inter, ref_inter))
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-6, atol=1e-7, msg=n)
+    torch.testing.assert_close(x_grad, ref_x, rtol=1e-6, atol=1e-7)
+    model.set_grad_checkpointing(False)
+    assert not model.grad_checkpointing

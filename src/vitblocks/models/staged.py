@@ -12,7 +12,7 @@ timm has no such base class (each timm model writes these methods itself), so it
 from typing import List, Optional, Tuple, Union
 
 import torch
-from timm.models import build_model_with_cfg
+from timm.models import build_model_with_cfg, checkpoint, checkpoint_seq
 from timm.models._features import feature_take_indices
 from torch import nn
 
@@ -32,6 +32,15 @@ class StagedBackbone(nn.Module):
     channels_last: bool
     intermediates_fmts: Tuple[str, ...] = ('NCHW',)
 
+    def __init__(self):
+        super().__init__()
+        self.grad_checkpointing = False
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """timm's API (``train.py --grad-checkpointing``): recompute each stage in the backward pass."""
+        self.grad_checkpointing = enable
+
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         """The image ``(B, 3, H, W)`` -> the first stage's input (default: the image itself)."""
         return x
@@ -45,7 +54,12 @@ class StagedBackbone(nn.Module):
         return self.norm(x)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self._after_stages(self.stages(self._embed(x)))
+        x = self._embed(x)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.stages, x)
+        else:
+            x = self.stages(x)
+        return self._after_stages(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
@@ -66,7 +80,10 @@ class StagedBackbone(nn.Module):
         x = self._embed(x)
         stages = self.stages[:max_index + 1] if stop_early else self.stages
         for s, stage in enumerate(stages):
-            x = stage(x)
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(stage, x)
+            else:
+                x = stage(x)
             if s in take:
                 y = self._norm_intermediate(x) if norm and s == last else x
                 if self.channels_last and output_fmt == 'NCHW':
