@@ -89,6 +89,17 @@ def test_timm_interface():
     assert model(x).shape == (2, 256)
 
 
+def test_class_token_is_kept_out_of_weight_decay():
+    """The authors' ``no_weight_decay`` ({'cls_token'}), read by timm's optimizer factory (``vitblocks train``
+    builds its optimizer with it): a 3-D parameter timm would otherwise decay."""
+    from timm.optim import create_optimizer_v2
+    model = timm.create_model('lvt', depths=(1, 1, 1, 1))
+    decay = {id(p): g['weight_decay'] for g in create_optimizer_v2(model, 'adamw', weight_decay=0.05).param_groups
+             for p in g['params']}
+    assert decay[id(model.cls_token)] == 0. and decay[id(model.stages[1].blocks[0].mlp.fc1.weight)] == 0.05
+    assert LVT(depths=(1, 1, 1, 1), class_blocks=0).no_weight_decay() == set()  # no class token
+
+
 def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="pools by 'token'"):
         LVT(global_pool='avg')

@@ -29,7 +29,7 @@ depthwise conv of LVT's own MLP goes with it.
 | ``lvt`` (recursions=2) | 5.52 M | 0.92; 0.84 counted as the papers (see ``papers/iffn.yaml``) |
 """
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Set
 
 import torch
 import torch.nn.functional as F
@@ -253,6 +253,12 @@ class LVT(StagedBackbone):
             nn.init.normal_(m.weight, 0, math.sqrt(2. / fan_out))
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        """Parameters timm's optimizer factory keeps out of weight decay: the class token, as the authors'
+        ``no_weight_decay`` (biases and norms are left out by timm anyway)."""
+        return {'cls_token'} if self.cls_token is not None else set()
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
