@@ -104,6 +104,21 @@ def test_timm_interface():
     assert model(x).shape == (2, 288)
 
 
+def test_head_hidden_size_is_the_pooled_width():
+    """timm's ``head_hidden_size`` is the width ``forward_head(pre_logits=True)`` returns: a pool that
+    concatenates ('catavgmax', at build time or through ``reset_classifier``) doubles it."""
+    x = torch.randn(1, 3, 64, 64)
+    for model in (timm.create_model('edgevit_xxs', num_classes=0, global_pool='catavgmax'),
+                  timm.create_model('edgevit_xxs', num_classes=3).eval()):
+        if model.num_classes:
+            model.reset_classifier(0, 'catavgmax')
+        with torch.no_grad():
+            pre = model.forward_head(model.forward_features(x.clone()), pre_logits=True)
+        assert pre.shape == (1, 576) and model.head_hidden_size == 576
+        model.reset_classifier(4, 'avg')
+        assert model.head_hidden_size == 288 and model.head.fc.in_features == 288
+
+
 def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match='head_dim=32 must divide every width'):
         EdgeViT(head_dim=32)

@@ -187,7 +187,7 @@ class EdgeViT(StagedBackbone):
         if bad:
             raise ValueError(f'head_dim={head_dim} must divide every width; it does not divide {bad}')
         self.num_classes, self.global_pool, self.channels_last = num_classes, global_pool, False
-        self.num_features = self.head_hidden_size = embed_dims[-1]
+        self.num_features = embed_dims[-1]
         n_blocks = sum(depths)
         dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # linear, as the authors'
         stages, c_in, reduction, self.feature_info = [], in_chans, 1, []
@@ -203,6 +203,7 @@ class EdgeViT(StagedBackbone):
         self.stages = nn.Sequential(*stages)
         self.norm = nn.BatchNorm2d(self.num_features)
         self.head = ClassifierHead(self.num_features, num_classes, pool_type=global_pool, drop_rate=drop_rate)
+        self.head_hidden_size = self.head.num_features  # the pooled width ('catavgmax' doubles it)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -222,6 +223,7 @@ class EdgeViT(StagedBackbone):
         self.head.reset(num_classes, pool_type=global_pool)
         if global_pool is not None:
             self.global_pool = global_pool
+        self.head_hidden_size = self.head.num_features
         if isinstance(self.head.fc, nn.Linear):
             self._init_weights(self.head.fc)
 
