@@ -103,6 +103,12 @@ def test_class_token_is_kept_out_of_weight_decay():
 def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="pools by 'token'"):
         LVT(global_pool='avg')
+    model = LVT(depths=(1, 1, 1, 1))
+    for pool in ('', 'avg'):  # '' (timm: no pooling) was accepted and ignored: the head still pooled
+        with pytest.raises(ValueError, match=f"this LVT pools by 'token'; global_pool={pool!r}"):
+            model.reset_classifier(0, pool)
+    model.reset_classifier(0, 'token')
+    assert model.head_hidden_size == 256 and isinstance(model.head, nn.Identity)
     with pytest.raises(ValueError, match='recursions must be >= 1'):
         LVT(recursions=0)
     with pytest.raises(RuntimeError, match='ships no weights'):

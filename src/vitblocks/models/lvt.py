@@ -265,7 +265,7 @@ class LVT(StagedBackbone):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        if global_pool not in (None, self.global_pool, ''):
+        if global_pool not in (None, self.global_pool):  # '' too: the head always pools (as the constructor says)
             raise ValueError(f'this LVT pools by {self.global_pool!r}; global_pool={global_pool!r} needs another '
                              f'class_blocks setting at build time')
         self.num_classes = num_classes
