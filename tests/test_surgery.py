@@ -112,6 +112,22 @@ def test_a_slot_vitblocks_already_swapped_is_refused(built, swap):
     assert vitblocks.swap_ffn(fresh, 'afbo', include=lambda q: q == 'blocks.1.mlp') == 1  # another slot: fine
 
 
+@pytest.mark.parametrize('swap', [vitblocks.swap_ffn, vitblocks.swap_residual_ffn])
+@pytest.mark.parametrize('ffn', ['iffn', 'mlp', 'swiglu', 'repa'])
+@pytest.mark.parametrize('ratio', [0, 0.001, -1])
+def test_mlp_ratio_without_a_hidden_channel_is_an_error(swap, ffn, ratio):
+    """A ratio giving no hidden channel was read by the FFNs as "width not given": 0 built IFFN at the
+    MLP's 4D and timm's Mlp at D, a negative ratio failed deep in torch ("negative dimension") or was
+    ignored (SwiGLU). Nothing is replaced."""
+    if (ffn == 'repa') != (swap is vitblocks.swap_residual_ffn):
+        pytest.skip('repa is a residual unit, the others plain FFNs')
+    model = timm.create_model('deit_tiny_patch16_224', **_TINY_VIT)
+    with pytest.raises(ValueError, match=rf'mlp_ratio={ratio} gives blocks\.0\.mlp \(width 48\) no hidden channel'):
+        swap(model, ffn, mlp_ratio=ratio)
+    assert all(type(b.mlp).__name__ == 'Mlp' and type(b).__name__ == 'Block' for b in model.blocks)
+    assert swap(model, ffn, mlp_ratio=0.05) == 2  # 48 x 0.05 = 2.4: two channels (IFFN: one per AGeLU)
+
+
 def test_include_and_mlp_ratio():
     model = timm.create_model('deit_tiny_patch16_224')
     n = vitblocks.swap_ffn(model, 'iffn', include=lambda name: name in ('blocks.0.mlp', 'blocks.11.mlp'),

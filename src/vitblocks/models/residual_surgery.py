@@ -34,7 +34,7 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from .lvvit import LVViTBlock
-from .surgery import SWAPPED_ATTR, _mlp_dims, check_not_swapped
+from .surgery import SWAPPED_ATTR, _mlp_dims, check_not_swapped, hidden_width
 
 __all__ = ['swap_residual_ffn', 'register_residual_ffn', 'list_residual_ffns', 'RESIDUAL_FFN_REGISTRY',
            'ResidualFFNViTBlock', 'ResidualFFNSwinBlock', 'ResidualFFNMetaFormerBlock', 'ResidualFFNMixerBlock']
@@ -197,6 +197,7 @@ def swap_residual_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float]
                          f'{type(model).__name__} (e.g. {slots[0][0]!r})')
     for qualname, block, recipe in selected:  # all checked before any is replaced
         check_not_swapped(getattr(block, recipe.unit), f'{qualname}.{recipe.unit}')
+        hidden_width(_mlp_dims(getattr(block, recipe.unit))[0], mlp_ratio, 0, f'{qualname}.{recipe.unit}')
     schedules = {}
     for key in unit.per_layer:
         if isinstance(cfg.get(key), (list, tuple)):
@@ -210,8 +211,7 @@ def swap_residual_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float]
     for i, (qualname, block, recipe) in enumerate(selected):
         old = getattr(block, recipe.unit)
         c_in, hidden, c_out, bias = _mlp_dims(old)
-        if mlp_ratio is not None:
-            hidden = int(round(c_in * mlp_ratio))
+        hidden = hidden_width(c_in, mlp_ratio, hidden, f'{qualname}.{recipe.unit}')
         ref = old.fc1.weight
         layer_cfg = dict(cfg, **{key: values[i] for key, values in schedules.items()})
         if recipe.constant_scale:

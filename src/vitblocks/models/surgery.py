@@ -203,6 +203,18 @@ def check_not_swapped(old: nn.Module, qualname: str) -> None:
                          f'model)')
 
 
+def hidden_width(c_in: int, mlp_ratio: Optional[float], default: int, qualname: str) -> int:
+    """The hidden width for ``mlp_ratio`` (``default``, the replaced MLP's, when it is None). A ratio that gives
+    no channel is an error: the FFNs read a hidden width of 0 as "not given" and fall back to their default."""
+    if mlp_ratio is None:
+        return default
+    hidden = int(round(c_in * mlp_ratio)) if isinstance(mlp_ratio, (int, float)) and mlp_ratio > 0 else 0
+    if hidden < 1:
+        raise ValueError(f'mlp_ratio={mlp_ratio!r} gives {qualname} (width {c_in}) no hidden channel; '
+                         f'give a ratio > 0 with width x ratio >= 0.5 (e.g. 4), or None to keep the MLP\'s width')
+    return hidden
+
+
 def _inherited(name: str, old: nn.Module, cfg: dict) -> dict:
     """The knobs the new FFN takes over from the MLP it replaces (``register_ffn(inherits=...)``),
     unless the caller set them: the two dropout rates, and the activation by its registry name."""
@@ -249,12 +261,12 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
     selected = [slot for slot in slots if include is None or include(slot[2])]
     for parent, attr, qualname, _ in selected:  # all checked before any is replaced
         check_not_swapped(getattr(parent, attr), qualname)
+        hidden_width(_mlp_dims(getattr(parent, attr))[0], mlp_ratio, 0, qualname)
     count = 0
     for parent, attr, qualname, layout in selected:
         old = getattr(parent, attr)
         c_in, hidden, c_out, bias = _mlp_dims(old)
-        if mlp_ratio is not None:
-            hidden = int(round(c_in * mlp_ratio))
+        hidden = hidden_width(c_in, mlp_ratio, hidden, qualname)
         ref = old.fc2.weight
         kwargs = dict(bias=bias, **_inherited(name, old, cfg), **cfg)
         new = create_ffn(name, c_in, hidden, c_out, layout=layout, device=ref.device, dtype=ref.dtype, **kwargs)
