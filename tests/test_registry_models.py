@@ -76,3 +76,10 @@ def test_block_cfg_overrides_variant_config():
 def test_unknown_model_gets_suggestion():
     with pytest.raises(ValueError, match='Did you mean: iffn_deit_tiny_patch16_224'):
         vitblocks.models.resolve_model_name('iffn_deit_tiny_patch16_22')
+
+
+def test_get_variant_reads_the_architecture_before_a_weight_tag():
+    """timm's "the name is the architecture, the dot suffix is the weights": a tagged name was a bare KeyError."""
+    assert get_variant('iffn_deit_tiny_patch16_224.in1k') is get_variant('iffn_deit_tiny_patch16_224')
+    with pytest.raises(ValueError, match="unknown model 'iffn_deit_tiny_patch16_22.in1k'"):
+        get_variant('iffn_deit_tiny_patch16_22.in1k')

@@ -103,7 +103,8 @@ def register_variant(spec: VariantSpec) -> VariantSpec:
 
 
 def get_variant(name: str) -> VariantSpec:
-    return _VARIANTS[resolve_model_name(name, vitblocks_only=True)]
+    """The spec of a registered model; a weight tag (``name.tag``) names the same architecture."""
+    return _VARIANTS[resolve_model_name(name, vitblocks_only=True).split('.')[0]]
 
 
 def list_models(pattern: str = '', method: Optional[str] = None) -> List[str]:
