@@ -112,15 +112,13 @@ def test_a_slot_vitblocks_already_swapped_is_refused(built, swap):
     assert vitblocks.swap_ffn(fresh, 'afbo', include=lambda q: q == 'blocks.1.mlp') == 1  # another slot: fine
 
 
-@pytest.mark.parametrize('swap', [vitblocks.swap_ffn, vitblocks.swap_residual_ffn])
-@pytest.mark.parametrize('ffn', ['iffn', 'mlp', 'swiglu', 'repa'])
+@pytest.mark.parametrize('swap, ffn', [(vitblocks.swap_ffn, 'iffn'), (vitblocks.swap_ffn, 'mlp'),
+                                       (vitblocks.swap_ffn, 'swiglu'), (vitblocks.swap_residual_ffn, 'repa')])
 @pytest.mark.parametrize('ratio', [0, 0.001, -1])
 def test_mlp_ratio_without_a_hidden_channel_is_an_error(swap, ffn, ratio):
     """A ratio giving no hidden channel was read by the FFNs as "width not given": 0 built IFFN at the
     MLP's 4D and timm's Mlp at D, a negative ratio failed deep in torch ("negative dimension") or was
-    ignored (SwiGLU). Nothing is replaced."""
-    if (ffn == 'repa') != (swap is vitblocks.swap_residual_ffn):
-        pytest.skip('repa is a residual unit, the others plain FFNs')
+    ignored (SwiGLU). Nothing is replaced. (RePa is a residual unit, the others plain FFNs.)"""
     model = timm.create_model('deit_tiny_patch16_224', **_TINY_VIT)
     with pytest.raises(ValueError, match=rf'mlp_ratio={ratio} gives blocks\.0\.mlp \(width 48\) no hidden channel'):
         swap(model, ffn, mlp_ratio=ratio)
