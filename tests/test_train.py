@@ -256,6 +256,19 @@ def test_nan_evaluation_loss_stops_before_saving(data, tmp_path):
     assert read_stop_record(tmp_path / 'run')['reason'] == 'diverged'
 
 
+def test_agelu_shifts_stay_out_of_weight_decay_as_in_the_authors_training(data, tmp_path):
+    """The IFFN authors' AGeLU keeps (1, 1, C) scale/bias tensors, and timm's factory decays only the scales;
+    ours are stacked (2, C), which timm would decay all four of."""
+    trainer = Trainer(tiny_cfg(data, tmp_path, model='iffn_deit_tiny_patch16_224', weight_decay=0.05))
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    decay = {names[id(p)]: g['weight_decay'] for g in trainer.optimizer.param_groups for p in g['params']}
+    act = 'blocks.0.mlp.act'
+    assert {k: decay[f'{act}.{k}'] for k in ('alpha', 'beta', 'gamma', 'theta')} == {
+        'alpha': 0.05, 'beta': 0.05, 'gamma': 0.0, 'theta': 0.0}
+    assert decay['blocks.0.mlp.fc1.weight'] == 0.05 and decay['blocks.0.mlp.fc1.bias'] == 0.0
+    assert decay['pos_embed'] == 0.0 and len(decay) == len(names)  # timm's own list still applies; none left out
+
+
 def test_any_other_error_is_recorded_with_its_type(data, tmp_path, monkeypatch):
     def out_of_memory(self, batches):
         raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB\nmore details')

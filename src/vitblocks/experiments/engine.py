@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2
+from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad
 from torch import nn
 
@@ -35,7 +35,7 @@ from .resume import auto_resume_checkpoint, load_on_every_rank
 from .runlog import STOP_RECORD, MetricsLog, Progress, remove_stale_temporaries, write_json, write_stop_record
 from .schedule import build_scheduler, restore_scheduler, scheduler_state
 from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader,
-                    open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
+                    no_weight_decay_names, open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
 
 __all__ = ['train', 'TrainingDiverged', 'RunResult', 'default_run_name', 'Trainer']
 
@@ -131,7 +131,10 @@ class Trainer:
             opt_kwargs['eps'] = cfg.opt_eps
         if cfg.opt_betas is not None:
             opt_kwargs['betas'] = tuple(cfg.opt_betas)
-        self.optimizer = create_optimizer_v2(self.model, opt=cfg.opt, lr=self.lr, weight_decay=cfg.weight_decay,
+        # timm's weight-decay groups (1-D tensors and biases undecayed), with the names modules keep out too
+        params = param_groups_weight_decay(self.model, cfg.weight_decay,
+                                           no_weight_decay_list=no_weight_decay_names(self.model))
+        self.optimizer = create_optimizer_v2(params, opt=cfg.opt, lr=self.lr, weight_decay=cfg.weight_decay,
                                              momentum=cfg.momentum, **opt_kwargs)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.steps_per_epoch)
         self.ema = ModelEmaV3(self.model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup) \

@@ -1,6 +1,6 @@
 """From a config to the objects a run needs: the model, its input size, datasets and loaders."""
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import timm
 import torch
@@ -15,7 +15,8 @@ from ..models import resolve_model_name
 from ..profile import fixed_image_size, input_size_of
 from .config import ConfigError, TrainConfig
 
-__all__ = ['create_model', 'mlp_dropout_kwargs', 'model_input_size', 'norm_stats', 'DataSetup', 'setup_data',
+__all__ = ['create_model', 'mlp_dropout_kwargs', 'model_input_size', 'no_weight_decay_names', 'norm_stats', 'DataSetup',
+           'setup_data',
            'make_loader', 'pil_transform', 'open_train_split', 'resolve_device', 'load_initial_weights',
            'dataset_manifest', 'check_same_dataset', 'set_cuda_matmul_precision']
 
@@ -69,6 +70,17 @@ def create_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     except TypeError as e:
         raise ConfigError(f'cannot build {name} with {kwargs}: {e}; check model_kwargs / drop_rate / '
                           f'drop_path_rate') from None
+
+
+def no_weight_decay_names(model: nn.Module) -> Set[str]:
+    """Parameter names kept out of weight decay: timm's ``model.no_weight_decay()`` (position embeddings,
+    class tokens), plus what any submodule names in its own ``no_weight_decay()`` (IFFN's AGeLU shifts),
+    prefixed with the submodule's path. timm's optimizer factory asks the model only."""
+    names = set(model.no_weight_decay()) if hasattr(model, 'no_weight_decay') else set()
+    for path, module in model.named_modules():
+        if path and hasattr(module, 'no_weight_decay'):
+            names |= {f'{path}.{name}' for name in module.no_weight_decay()}
+    return names
 
 
 def model_input_size(model: nn.Module, cfg: TrainConfig) -> Tuple[int, int, int]:

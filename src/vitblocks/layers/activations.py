@@ -133,6 +133,14 @@ class ArbitraryActivation(nn.Module):
         nn.init.ones_(self.beta)
         nn.init.zeros_(self.theta)
 
+    def no_weight_decay(self) -> set:
+        """The shifts ``gamma, theta`` stay out of weight decay, as in the IFFN authors' training: their
+        coefficients are ``scale``/``bias`` tensors of shape ``(1, 1, C)``, and timm's optimizer factory
+        decays the scales but not names ending in ``.bias``. (timm leaves all 1-D tensors undecayed, so
+        here only the stacked ``(N, C)`` ones of :class:`ConcatArbitraryActivations` differ.) vitblocks'
+        trainer collects these per-module names (``experiments.setup.no_weight_decay_names``)."""
+        return {'gamma', 'theta'}
+
     def _shaped(self, p: torch.Tensor) -> torch.Tensor:
         return p.view(-1, 1, 1) if self.channels_first else p  # (C,) -> (C, 1, 1) for (B, C, H, W)
 
@@ -178,6 +186,7 @@ class ConcatArbitraryActivations(nn.Module):
         self.init_weights()
 
     init_weights = ArbitraryActivation.init_weights
+    no_weight_decay = ArbitraryActivation.no_weight_decay
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.channels_first:
