@@ -105,3 +105,62 @@ def test_grad_checkpointing_recomputes_the_same_numbers(name):
     torch.testing.assert_close(x_grad, ref_x, rtol=1e-6, atol=1e-7)
     model.set_grad_checkpointing(False)
     assert not model.grad_checkpointing
+
+
+def _depth_unit(name: str):
+    """Where a parameter sits from the input up, as a sortable key: the stem / first patch embedding, a
+    stage's downsample, one block, LVT's class token + class blocks, the head (the final norm: its last block)."""
+    parts = name.split('.')
+    if parts[0] == 'stem':
+        return (0,)
+    if parts[0] == 'stages':
+        s = int(parts[1])
+        return (1, s, -1) if parts[2] in ('downsample', 'norm') else (1, s, int(parts[3]))
+    if parts[0] == 'cls_token':
+        return (2, 0)
+    if parts[0] == 'post_blocks':
+        return (2, int(parts[1]))
+    if parts[0] in ('head', 'aux_head'):
+        return (4,)
+    assert parts[0] == 'norm', name
+    return None  # the final norm: with the last block before it
+
+
+def _build_for_groups(name):
+    torch.manual_seed(0)
+    if name == 'lvt_plain':  # no class blocks: the final norm follows the stages
+        return timm.create_model('lvt', num_classes=5, class_blocks=0, **SMALL['lvt'])
+    return _build(name)
+
+
+@pytest.mark.parametrize('name', list(SMALL) + ['lvt_plain'])
+def test_group_matcher_gives_layer_decay_one_scale_per_block(name):
+    """timm's layer-wise LR decay (``create_optimizer_v2(..., layer_decay=)``) reads ``group_matcher``; without
+    it timm cut the parameter list into runs of 12 tensors, so one block's weights got several learning rates.
+    Each unit (stem, downsample, block, head) gets one scale, decaying by ``layer_decay`` per unit from the head."""
+    from timm.optim._param_groups import param_groups_layer_decay
+    model = _build_for_groups(name)
+    decay = 0.65
+    names = {id(p): n for n, p in model.named_parameters()}
+    scale = {names[id(p)]: g['lr_scale'] for g in param_groups_layer_decay(model, layer_decay=decay)
+             for p in g['params']}
+    assert scale.keys() == set(names.values())
+    units = {n: _depth_unit(n) for n in scale}
+    order = sorted({u for u in units.values() if u is not None})
+    units = {n: (order[-2] if u is None else u) for n, u in units.items()}  # the final norm: the unit before the head
+    expected = {u: decay ** (len(order) - 1 - k) for k, u in enumerate(order)}
+    wrong = {n: (s, expected[units[n]]) for n, s in scale.items() if abs(s - expected[units[n]]) > 1e-12}
+    assert not wrong, f'{len(wrong)} parameters with another lr_scale than their unit, e.g. {list(wrong.items())[:3]}'
+
+
+@pytest.mark.parametrize('name', list(SMALL) + ['lvt_plain'])
+def test_group_matcher_coarse_is_one_group_per_stage(name):
+    from timm.models._manipulate import group_parameters
+    model = _build_for_groups(name)
+    groups = list(group_parameters(model, model.group_matcher(coarse=True)).values())  # in depth order
+    stage_of = [{int(n.split('.')[1]) for n in g if n.startswith('stages.')} for g in groups]
+    taken = [s for s in stage_of if s]
+    assert taken == [{0}, {1}, {2}, {3}]  # each stage whole in one group, in order
+    for g, s in zip(groups, stage_of):
+        assert not s or all(n.startswith(('stages.', 'norm.')) for n in g), g  # only the final norm joins a stage
+    assert any(n.startswith('head') for n in groups[-1])

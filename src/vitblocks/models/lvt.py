@@ -29,7 +29,7 @@ depthwise conv of LVT's own MLP goes with it.
 | ``lvt`` (recursions=2) | 5.52 M | 0.92; 0.84 counted as the papers (see ``papers/iffn.yaml``) |
 """
 import math
-from typing import Optional, Sequence, Set
+from typing import Any, Dict, Optional, Sequence, Set
 
 import torch
 import torch.nn.functional as F
@@ -259,6 +259,16 @@ class LVT(StagedBackbone):
         """Parameters timm's optimizer factory keeps out of weight decay: the class token, as the authors'
         ``no_weight_decay`` (biases and norms are left out by timm anyway)."""
         return {'cls_token'} if self.cls_token is not None else set()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """The stages' groups (see ``StagedBackbone.group_matcher``), then the class token with the first
+        class-attention block, one group per class block and the final norm with the last (as timm's VOLO)."""
+        matcher = super().group_matcher(coarse)
+        if not coarse:
+            matcher['blocks'] = matcher['blocks'][:-1]  # the final norm follows the class blocks here
+        matcher['post_blocks'] = [(r'^cls_token$', (0,)), (r'^post_blocks\.(\d+)\.', None), (r'^norm\.', (99999,))]
+        return matcher
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:

@@ -5,11 +5,12 @@ Each is ``_embed`` (a stem, or nothing where the first stage embeds the image) -
 ``nn.Sequential``, one feature map per stage) -> ``_after_stages`` (the final norm) -> ``forward_head``.
 :class:`StagedBackbone` implements ``forward_features``, ``forward`` and timm's feature API
 (``forward_intermediates``, ``prune_intermediate_layers``, which timm's ``features_only=True`` getter
-wrapper calls) once on top of that; a model overrides only the hooks where it differs.
+wrapper calls) and ``group_matcher`` (timm's layer-wise LR decay) once on top of that; a model overrides
+only the hooks where it differs.
 
 timm has no such base class (each timm model writes these methods itself), so it is written here once.
 """
-from typing import List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from timm.models import build_model_with_cfg, checkpoint, checkpoint_seq
@@ -40,6 +41,23 @@ class StagedBackbone(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """timm's API (``train.py --grad-checkpointing``): recompute each stage in the backward pass."""
         self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """timm's API (``create_optimizer_v2(..., layer_decay=)``, ``param_groups_layer_decay``): parameter
+        groups from the input to the head. The stem (or the first stage's patch embedding), then per stage
+        its downsample (+ norm) and each block; ``coarse``: one group per stage. The final norm joins the
+        last block; the head matches nothing, so timm puts it in the last group. Without this, timm falls
+        back to cutting ``named_parameters()`` into runs of 12 tensors, which splits blocks (a norm's
+        weight and bias got different learning rates)."""
+        return dict(
+            stem=r'^stem',
+            blocks=r'^stages\.(\d+)' if coarse else [
+                (r'^stages\.(\d+)\.(?:downsample|norm)\.', (-1,)),  # before the stage's block 0
+                (r'^stages\.(\d+)\.blocks\.(\d+)\.', None),
+                (r'^norm\.', (99999,)),  # timm's MATCH_PREV_GROUP: with the last block
+            ],
+        )
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         """The image ``(B, 3, H, W)`` -> the first stage's input (default: the image itself)."""
