@@ -250,6 +250,23 @@ def test_layernorm_feature_norm_checkpoint_is_not_repa():
         convert_authors_state_dict(sd)
 
 
+@pytest.mark.parametrize('layout, theirs, ours', [
+    ('repavit', 'blocks.0.attn.norm.weight', 'blocks.0.norm1.weight'),
+    ('iffn_deit', 'blocks.1.mlp.conv1.weight', 'blocks.1.mlp.fc1.weight'),
+    ('iffn_deit', 'blocks.0.mlp.act1.move2.bias', 'blocks.0.mlp.act.theta'),  # a stacked AGeLU parameter
+])
+def test_a_tensor_under_both_names_is_an_error_naming_both(tmp_path, layout, theirs, ours):
+    """A dict holding an authors' key and our name for it (a half-converted file) kept whichever came last."""
+    sd = repavit_state_dict() if layout == 'repavit' else iffn_deit_state_dict(3)
+    sd[ours] = torch.zeros(2, sd[theirs].numel()) if ours.endswith('theta') else torch.zeros_like(sd[theirs])
+    with pytest.raises(AuthorsCheckpointError, match=f"both '{re.escape(theirs)}' and '{re.escape(ours)}'"):
+        convert_authors_state_dict(sd)
+    path = _save_like_the_authors(tmp_path, sd)  # timm's loading path passes the same check
+    with pytest.raises(AuthorsCheckpointError, match='mixes the authors'):
+        timm.create_model('repa_prenorm_deit_tiny_patch16_224' if layout == 'repavit' else 'iffn_deit_tiny_patch16_224',
+                          checkpoint_path=str(path), **TINY)
+
+
 def test_wrong_size_fails_on_the_tensor_that_differs(tmp_path):
     path = _save_like_the_authors(tmp_path, repavit_state_dict())
     with pytest.raises(RuntimeError, match='size mismatch for blocks.0.norm1.weight'):

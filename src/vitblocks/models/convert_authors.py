@@ -88,14 +88,23 @@ def detect_authors_layout(state_dict: Dict[str, torch.Tensor]) -> Optional[str]:
     return None
 
 
+def _collision(first: str, second: str, ours: str) -> AuthorsCheckpointError:
+    return AuthorsCheckpointError(
+        f"the checkpoint holds both {first!r} and {second!r}, which are the same tensor ({ours!r} in vitblocks' "
+        f"layout): it mixes the authors' key names with ours; keep one of the two")
+
+
 def _rename(state_dict: Dict[str, torch.Tensor], layout: str) -> Dict[str, torch.Tensor]:
-    out = {}
+    out, source = {}, {}  # source: our key -> the checkpoint key it came from
     for key, value in state_dict.items():
+        new = key
         for pattern, repl in _RENAMES[layout]:
-            key, n = pattern.subn(repl, key)
+            new, n = pattern.subn(repl, key)
             if n:
                 break
-        out[key] = value
+        if new in out:  # one of the two silently overwrote the other
+            raise _collision(source[new], key, new)
+        out[new], source[new] = value, key
     return out
 
 
@@ -112,6 +121,9 @@ def _stack_agelu(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]
     for (prefix, name), copies in parts.items():
         if sorted(copies) != list(range(1, len(copies) + 1)):
             raise AuthorsCheckpointError(f'{prefix}act*: expected act1..actN, found act{sorted(copies)}')
+        if f'{prefix}act.{name}' in out:
+            move, kind = next(k for k, v in _AGELU.items() if v == name)
+            raise _collision(f'{prefix}act{min(copies)}.{move}.{kind}', f'{prefix}act.{name}', f'{prefix}act.{name}')
         out[f'{prefix}act.{name}'] = torch.stack([copies[j] for j in sorted(copies)])  # N x (C,) -> (N, C)
     return out
 
