@@ -9,6 +9,7 @@ here, before and after ``reparameterize``. Tiny dims (32 px, patch 8, width 16, 
 Float64, so a wrong LayerNorm eps (1e-5 vs 1e-6) or head order cannot hide in fp32 tolerance.
 """
 import argparse
+import datetime
 import math
 import re
 
@@ -16,6 +17,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.cli import main
@@ -313,6 +315,10 @@ def test_convert_writes_our_layout_in_both_forms(tmp_path, capsys):
 @pytest.mark.parametrize('case, message', [
     ('missing', 'no checkpoint at .*missing.pth: the file does not exist'),
     ('truncated', 'cannot read .* as a torch checkpoint'),
+    ('text', r"is not a torch checkpoint \(torch.save writes a zip archive.*starts with b'hello, n'\)"),
+    ('empty', 'is empty, not a torch checkpoint'),
+    ('safetensors', 'is a safetensors file, not a torch checkpoint'),
+    ('object', r'holds pickled objects other than tensors \(datetime.date\); if you trust it'),
     ('ours', "in no authors' layout"),
     ('dst', 'DST must end with .safetensors'),
     ('ema', "has no 'model_ema' entry .*drop --ema"),
@@ -326,6 +332,14 @@ def test_convert_errors_say_what_and_how_to_fix(tmp_path, capsys, case, message)
         src = tmp_path / 'missing.pth'
     elif case == 'truncated':
         src.write_bytes(src.read_bytes()[:1000])
+    elif case == 'text':  # torch's weights-only unpickler raised a bare KeyError on this one
+        src.write_text('hello, not a checkpoint\n')
+    elif case == 'empty':
+        src.write_bytes(b'')
+    elif case == 'safetensors':  # named .pth (torch.load reads a file named .safetensors as one)
+        save_file(timm.create_model('repa_prenorm_deit_tiny_patch16_224', **TINY).state_dict(), src)
+    elif case == 'object':
+        torch.save({'model': {}, 'date': datetime.date(2025, 1, 1)}, src)
     elif case == 'ours':
         torch.save({'model': timm.create_model('repa_prenorm_deit_tiny_patch16_224', **TINY).state_dict()}, src)
     elif case == 'dst':

@@ -2,6 +2,7 @@
 import argparse
 import json
 import pickle
+import re
 from pathlib import Path
 
 import timm
@@ -59,13 +60,8 @@ def _read_state_dict(path: Path, ema: bool) -> dict:
         # weights only, as timm reads checkpoints; training scripts pickle their argparse.Namespace too
         with torch.serialization.safe_globals([argparse.Namespace]):
             checkpoint = torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CliError(f'{path} holds pickled objects other than tensors ({" ".join(str(e).split())[:200]}); if you '
-                       "trust it, save torch.load(SRC, weights_only=False)['model'] to a new file and convert that") \
-            from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CliError(f'cannot read {path} as a torch checkpoint ({" ".join(str(e).split())[:200]}); '
-                       'is it complete (not truncated)?') from None
+    except Exception as e:  # on a file that is no checkpoint torch's unpickler raises anything (KeyError, ...)
+        raise CliError(_unreadable(path, e)) from None
     if not isinstance(checkpoint, dict):
         raise CliError(f'{path} holds a {type(checkpoint).__name__}, not a checkpoint dict or a state dict')
     key = 'model_ema' if ema else 'model'
@@ -75,6 +71,27 @@ def _read_state_dict(path: Path, ema: bool) -> dict:
         return clean_state_dict(checkpoint)  # a bare state dict
     raise CliError(f"{path} has no {key!r} entry (entries: {', '.join(map(str, checkpoint))[:200]})"
                    + ('; drop --ema' if ema else ''))
+
+
+def _unreadable(path: Path, error: Exception) -> str:
+    """Why torch.load failed on ``path``, told from the file's first bytes and the error."""
+    detail = ' '.join(str(error).split())
+    with open(path, 'rb') as f:
+        head = f.read(16)
+    if not head:
+        return f'{path} is empty, not a torch checkpoint'
+    if len(head) > 8 and head[8:9] == b'{' and int.from_bytes(head[:8], 'little') < 1 << 30:
+        return (f'{path} is a safetensors file, not a torch checkpoint (.pth): convert reads the authors\' .pth '
+                'files; a safetensors file in our layout loads as it is (timm.create_model(MODEL, '
+                'checkpoint_path=SRC))')
+    if not (head.startswith(b'PK\x03\x04') or head.startswith(b'\x80')):  # torch.save: a zip archive, or a pickle
+        return (f'{path} is not a torch checkpoint (torch.save writes a zip archive, or a pickle in the legacy '
+                f'format; this file starts with {head[:8]!r})')
+    unsafe = re.search(r'GLOBAL (\S+)', detail)  # the weights-only unpickler met a class it may not build
+    if isinstance(error, pickle.UnpicklingError) and unsafe:
+        return (f'{path} holds pickled objects other than tensors ({unsafe.group(1)}); if you trust it, save '
+                "torch.load(SRC, weights_only=False)['model'] to a new file and convert that")
+    return f'cannot read {path} as a torch checkpoint ({detail[:200]}); is it complete (not truncated)?'
 
 
 def _size_hint(state_dict: dict, model: torch.nn.Module) -> str:
