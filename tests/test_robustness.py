@@ -82,6 +82,12 @@ def test_numbers_and_booleans_are_typed(tmp_path):
     ('device=tpu', "device='tpu': expected 'auto', 'cpu'"), ('hflip=2.0', 'hflip=2.0: expected a number in [0, 1]'),
     ('interpolation=bicubik', 'did you mean bicubic'), ('auto_augment=rand-xyz', "'xyz' is not one"),
     ('model_ema=maybe', 'expected true/false'),
+    # nan passed every range rule (nan < 0 is False): lr=nan was a torch traceback, weight_decay=nan or
+    # clip_grad=nan trained a step and stopped as 'diverged', warmup_epochs=inf trained at warmup_lr forever
+    ('lr=nan', 'lr=nan: expected a finite number'), ('lr=.inf', 'lr=inf: expected a finite number'),
+    ('weight_decay=nan', 'weight_decay=nan: expected a finite number'), ('clip_grad=-.inf', 'clip_grad=-inf'),
+    ('warmup_epochs=inf', 'warmup_epochs=inf: expected a finite number'),
+    ('mean=[.nan, 0.5, 0.5]', 'mean=[nan, 0.5, 0.5]: expected finite numbers'),
 ])
 def test_bad_values_are_refused_at_load_time(override, message):
     with pytest.raises(ConfigError) as e:
@@ -94,7 +100,7 @@ def test_bad_values_are_refused_at_load_time(override, message):
 @pytest.mark.parametrize('extra, fragment', [
     (['opt=adamx'], 'did you mean adamax'), (['seed=abc'], "seed='abc'"),
     (['--device', 'tpu'], "device='tpu'"), (['input_size=[3, 16, 16]'], 'is built for 8x8 images only'),
-    (['--train-subset', '1000'], 'train_subset=1000'),
+    (['--train-subset', '1000'], 'train_subset=1000'), (['--lr', 'nan'], 'lr=nan: expected a finite number'),
 ])
 def test_train_bad_inputs_are_one_line(data, tmp_path, capsys, extra, fragment):
     assert_one_line(*run_cli(capsys, *tiny_train(data, tmp_path, *extra))[::2], fragment)

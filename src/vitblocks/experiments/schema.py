@@ -8,6 +8,7 @@ without a dot as a string, YAML 1.1), ``'false'`` / ``'no'`` are False for a boo
 (a non-empty string is otherwise truthy in Python, the silent bug this replaces).
 """
 import difflib
+import math
 import re
 import typing
 from typing import Any, Callable, Dict, Sequence
@@ -120,11 +121,23 @@ def _coerce_type(value: Any, tp) -> Any:
     raise TypeError
 
 
+def _finite(value: Any) -> bool:
+    """False for a float (or a list holding one) that is nan or +-inf; every float key wants a finite number."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True
+
+
 def coerce(key: str, value: Any, tp) -> Any:
     try:
         value = _coerce_type(value, tp)
     except TypeError:
         raise SchemaError(f'{key}={value!r}: expected {_describe(tp)}') from None
+    if not _finite(value):  # nan slips past every range rule (nan < 0 is False); inf is no learning rate either
+        raise SchemaError(f'{key}={value!r}: expected ' + ('finite numbers' if isinstance(value, list) else
+                                                            'a finite number'))
     rule = RULES.get(key)
     if rule is not None and value is not None:
         problem = rule(value)
