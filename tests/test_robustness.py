@@ -106,6 +106,19 @@ def test_train_bad_inputs_are_one_line(data, tmp_path, capsys, extra, fragment):
     assert_one_line(*run_cli(capsys, *tiny_train(data, tmp_path, *extra))[::2], fragment)
 
 
+def test_train_unknown_model_fails_before_the_data_is_decoded(data, tmp_path, capsys, monkeypatch):
+    # the class count was read from the training split first (30 s of decoding for CIFAR-10, minutes for
+    # ImageNet) and only then was the model name looked up
+    import vitblocks.experiments.engine as engine
+
+    def decode(cfg):
+        raise AssertionError(f'decoded {cfg.data} for a model that does not exist')
+    monkeypatch.setattr(engine, 'open_train_split', decode)
+    code, _, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16', '--data', data, '--output', tmp_path,
+                           *QUIET)
+    assert_one_line(code, err, "unknown model 'vit_tiny_patch16'. Did you mean")
+
+
 def test_unwritable_outputs_fail_before_any_work(data, run_dir, tmp_path, capsys):
     blocker = tmp_path / 'file'
     blocker.write_text('x')

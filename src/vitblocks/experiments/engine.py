@@ -34,7 +34,7 @@ from .interrupt import StopRequest, TrainingInterrupted
 from .resume import auto_resume_checkpoint, load_on_every_rank
 from .runlog import STOP_RECORD, MetricsLog, Progress, remove_stale_temporaries, write_json, write_stop_record
 from .schedule import build_scheduler, restore_scheduler, scheduler_state
-from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader,
+from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader, model_name,
                     no_weight_decay_names, open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
 
 __all__ = ['train', 'TrainingDiverged', 'RunResult', 'default_run_name', 'Trainer']
@@ -95,6 +95,8 @@ class Trainer:
         ckpt = load_on_every_rank(resume, cfg)
         if ckpt is not None:
             check_resume_config(cfg, ckpt.get('config', {}), resume)
+        if model is None:
+            model_name(cfg)  # an unknown name fails now, not after the training split is decoded for its classes
         self.model = model if model is not None else create_model(cfg, cfg.num_classes or self._peek_classes())
         self._notes = []
         if ckpt is None and cfg.initial_checkpoint:

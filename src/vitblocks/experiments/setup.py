@@ -15,9 +15,9 @@ from ..models import resolve_model_name
 from ..profile import fixed_image_size, input_size_of
 from .config import ConfigError, TrainConfig
 
-__all__ = ['create_model', 'mlp_dropout_kwargs', 'model_input_size', 'no_weight_decay_names', 'norm_stats', 'DataSetup',
-           'setup_data',
-           'make_loader', 'pil_transform', 'open_train_split', 'resolve_device', 'load_initial_weights',
+__all__ = ['create_model', 'model_name', 'mlp_dropout_kwargs', 'model_input_size', 'no_weight_decay_names', 'norm_stats',
+           'DataSetup', 'setup_data', 'make_loader', 'pil_transform', 'open_train_split', 'resolve_device',
+           'load_initial_weights',
            'dataset_manifest', 'check_same_dataset', 'set_cuda_matmul_precision']
 
 
@@ -53,12 +53,18 @@ def mlp_dropout_kwargs(name: str, p: float) -> Dict[str, Any]:
     return {'proj_drop_rate': p}
 
 
-def create_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
-    """``timm.create_model(cfg.model, num_classes=..., **cfg.model_kwargs)`` with readable errors."""
+def model_name(cfg: TrainConfig) -> str:
+    """``cfg.model`` as timm knows it, or a ConfigError with a did-you-mean hint (cheap: check it before
+    decoding a dataset)."""
     try:
-        name = resolve_model_name(cfg.model)
+        return resolve_model_name(cfg.model)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def create_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+    """``timm.create_model(cfg.model, num_classes=..., **cfg.model_kwargs)`` with readable errors."""
+    name = model_name(cfg)
     kwargs = dict(cfg.model_kwargs, num_classes=num_classes)
     for key, value in mlp_dropout_kwargs(name, cfg.mlp_drop or 0).items():  # explicit model_kwargs win
         kwargs[key] = {**value, **kwargs.get(key, {})} if isinstance(value, dict) else kwargs.get(key, value)
