@@ -353,3 +353,27 @@ def test_convert_errors_say_what_and_how_to_fix(tmp_path, capsys, case, message)
     code, _, err = _convert(capsys, src, dst, *args)
     assert code == 2 and re.search(message, err), err
     assert len(err.strip().splitlines()) == 1 and not dst.exists()
+
+
+@pytest.mark.parametrize('case, message', [
+    ('folder', r'DST .*out.safetensors: is a folder; give a file name'),
+    ('under a file', r'DST .*blocker/out.safetensors: .*blocker is a file, not a folder'),
+    ('model args', r"--model-args expects KEY=VALUE, got 'num_classes' \(e.g. --model-args num_classes=100\)"),
+])
+def test_convert_refuses_an_unwritable_dst_and_names_the_flag_it_parsed(tmp_path, capsys, case, message):
+    # an unwritable DST was a traceback from the atomic write (IsADirectoryError, FileExistsError) after the
+    # whole conversion; a malformed --model-args item was reported as a --block-cfg one
+    src = _save_like_the_authors(tmp_path, repavit_state_dict())
+    dst, args = tmp_path / 'out.safetensors', ['--model', 'repa_prenorm_deit_tiny_patch16_224', *_TINY_ARGS]
+    if case == 'folder':
+        dst.mkdir()
+    elif case == 'under a file':
+        (tmp_path / 'blocker').write_text('x')
+        dst = tmp_path / 'blocker' / 'out.safetensors'
+    else:
+        args.append('num_classes')
+    code, _, err = _convert(capsys, src, dst, *args)
+    assert code == 2 and re.search(message, err), err
+    assert len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.glob('.*')), 'a temporary of the write was left behind'
+    assert dst.is_dir() if case == 'folder' else not dst.exists()

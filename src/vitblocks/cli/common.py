@@ -72,17 +72,19 @@ def is_vitblocks_model(name: str) -> bool:
     return name.split('.')[0] in list_models()
 
 
-def parse_block_cfg(items: Optional[Sequence[str]]) -> Dict[str, Any]:
-    """``['kernel_size=7', 'spatial_part=false']`` -> ``{'kernel_size': 7, 'spatial_part': False}`` (YAML values)."""
+def parse_block_cfg(items: Optional[Sequence[str]], flag: str = '--block-cfg') -> Dict[str, Any]:
+    """``['kernel_size=7', 'spatial_part=false']`` -> ``{'kernel_size': 7, 'spatial_part': False}`` (YAML values).
+    ``flag``: the option the items came from, named in the errors (``--model-args`` parses the same way)."""
     cfg: Dict[str, Any] = {}
+    example = 'kernel_size=7' if flag == '--block-cfg' else 'num_classes=100'
     for item in items or ():
         key, sep, value = item.partition('=')
         if not sep or not key:
-            raise CliError(f'--block-cfg expects KEY=VALUE, got {item!r} (e.g. --block-cfg kernel_size=7)')
+            raise CliError(f'{flag} expects KEY=VALUE, got {item!r} (e.g. {flag} {example})')
         try:
             cfg[key.strip()] = yaml_load(value)
         except yaml.YAMLError:
-            raise CliError(f'--block-cfg {item}: cannot parse the value {value!r} (YAML)') from None
+            raise CliError(f'{flag} {item}: cannot parse the value {value!r} (YAML)') from None
     return cfg
 
 

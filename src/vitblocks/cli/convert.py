@@ -13,7 +13,7 @@ from ..deploy import reparameterize
 from ..deploy.io import save_deployed, write_safetensors
 from ..models.convert_authors import AUTHORS_MODELS, AuthorsCheckpointError, detect_authors_layout
 from ..profile import count_params
-from .common import CliError, build_model, parse_block_cfg, resolve
+from .common import CliError, build_model, check_writable_file, parse_block_cfg, resolve
 
 NAME = 'convert'
 FORMAT = 'vitblocks.converted/1'  # metadata['format'] of a training-form file written here
@@ -110,7 +110,8 @@ def run(args) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if dst.suffix != '.safetensors':
         raise CliError(f'DST must end with .safetensors (timm chooses its reader by the extension), got {dst}')
-    block_cfg, model_args = parse_block_cfg(args.block_cfg), parse_block_cfg(args.model_args)
+    check_writable_file(dst, 'DST')  # before the checkpoint is read and converted, not after
+    block_cfg, model_args = parse_block_cfg(args.block_cfg), parse_block_cfg(args.model_args, '--model-args')
     state_dict = _read_state_dict(src, args.ema)
     layout = detect_authors_layout(state_dict)
     if layout is None:
@@ -130,16 +131,19 @@ def run(args) -> int:
         raise CliError(f'{src} ({layout} layout) does not fit {name}: {_size_hint(state_dict, model)}; '
                        f'first problem: {problems[0] if problems else str(e)[:300]}{more}') from None
     model.eval()
-    if args.deploy:
-        model = reparameterize(model)
-        path = save_deployed(model, dst, name=name, block_cfg=block_cfg or None)
-    else:
-        metadata = {'format': FORMAT, 'architecture': name, 'source': f'{layout}: {src.name}',
-                    'torch': torch.__version__, 'timm': timm.__version__}
-        for key, value in (('block_cfg', block_cfg), ('model_args', model_args)):
-            if value:
-                metadata[key] = json.dumps(value, sort_keys=True)
-        path = write_safetensors(model, dst, metadata)
+    try:
+        if args.deploy:
+            model = reparameterize(model)
+            path = save_deployed(model, dst, name=name, block_cfg=block_cfg or None)
+        else:
+            metadata = {'format': FORMAT, 'architecture': name, 'source': f'{layout}: {src.name}',
+                        'torch': torch.__version__, 'timm': timm.__version__}
+            for key, value in (('block_cfg', block_cfg), ('model_args', model_args)):
+                if value:
+                    metadata[key] = json.dumps(value, sort_keys=True)
+            path = write_safetensors(model, dst, metadata)
+    except OSError as e:  # e.g. the disk filled up: the write is atomic, nothing half-written is left at DST
+        raise CliError(f'DST {dst}: cannot write it ({e.strerror or e})') from None
     form = 'deployed (re-parameterized)' if args.deploy else 'training form'
     print(f"{src}: the authors' {layout} layout, {len(state_dict)} tensors -> {name}")
     print(f'wrote {path} ({form}, {count_params(model) / 1e6:.2f} M params, {path.stat().st_size / 2 ** 20:.1f} MiB)')
