@@ -133,6 +133,7 @@ def test_profile_block_cfg(capsys):
     (['compare', '--paper', 'ifn'], ['unknown paper', 'Did you mean: iffn']),
     (['compare', '--tables', '1,99'], ['no table 99', 'available: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13']),
     (['compare', '--models', 'no_such_model'], ['no table row matches']),
+    (['compare', '--tables', ','], ["--tables ',' names no table"]),  # was every table of every paper
     (['list', '--method', 'ifn'], ['Did you mean: iffn']),
     (['profile', 'deit_tiny_patch16_224', '--depth', 'x'], ['--depth', "'x'"]),
     (['bench', 'deit_tiny_patch16_224', '--batch-size', '0'], ['--batch-size']),
@@ -175,6 +176,20 @@ def test_compare_lists_unbuildable_rows_without_counting_them(capsys, tmp_path):
     assert code == 0
     assert 'Not counted: 2 rows that timm cannot build (X-Net is not in timm)' in out
     assert out.rstrip().splitlines()[-1] == '0 of 0 published rows within 1%'
+
+
+def test_compare_counts_a_repeated_paper_once(capsys):
+    # `--paper iffn --paper iffn` printed every table twice and counted each row twice ('4 of 4' for 2 rows)
+    code, out, _ = run(capsys, 'compare', '--paper', 'iffn', '--paper', 'iffn', '--tables', '1', '--models',
+                       'deit_tiny')
+    assert code == 0
+    assert out.count('IFFN Table 1:') == 1 and out.count('IFFN: "') == 1
+    assert out.rstrip().splitlines()[-1] == f'{_expected_counted_in("1", "deit_tiny")} of ' \
+        f'{_expected_counted_in("1", "deit_tiny")} published rows within 1%'
+
+
+def _expected_counted_in(table, substr):
+    return sum(r.buildable and not r.accuracy_only and substr in r.model for r in load_paper('iffn').table(table).rows)
 
 
 def test_compare_csv(capsys):

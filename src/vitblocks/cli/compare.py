@@ -219,10 +219,14 @@ def run(args) -> int:
     papers = []
     for key in keys:
         try:
-            papers.append(load_paper(key))
+            paper = load_paper(key)
         except ValueError as e:
             raise CliError(str(e)) from None
-    tables = [t.strip() for t in args.tables.split(',') if t.strip()] if args.tables else None
+        if all(p.key != paper.key for p in papers):  # `--paper iffn --paper iffn` compares it once
+            papers.append(paper)
+    tables = [t.strip() for t in args.tables.split(',') if t.strip()] if args.tables is not None else None
+    if tables == []:
+        raise CliError(f'--tables {args.tables!r} names no table; give numbers such as 1,2 or drop --tables')
     selected = select(papers, tables, args.models)
 
     counter = Counter()
