@@ -256,6 +256,28 @@ def test_eval_refuses_foreign_classes_and_missing_splits_and_honours_val_subset(
     assert res['num_images'] == 10
 
 
+def test_eval_honours_the_overrides_of_keys_it_has_flags_for(run_dir, data, capsys, monkeypatch):
+    # batch_size= / workers= / device= were replaced by the flags' defaults (256, 0, auto) and val_split= was
+    # ignored (the default split was evaluated), all without a word
+    import vitblocks.cli.eval as eval_cmd
+    seen = {}
+
+    def make_loader(cfg, setup, *args, **kwargs):
+        seen.update(batch_size=cfg.batch_size, device=cfg.device, split=setup.val.source)
+        return real(cfg, setup, *args, **kwargs)
+    real = eval_cmd.make_loader
+    monkeypatch.setattr(eval_cmd, 'make_loader', make_loader)
+    ckpt = run_dir / 'last.pth'
+    code, _, err = run_cli(capsys, 'eval', '--checkpoint', ckpt, '--data', data, 'batch_size=7', 'device=cpu',
+                           'val_split=train', '--threads', 1, '--progress', 'none')
+    assert code == 0, err
+    assert seen == {'batch_size': 7, 'device': 'cpu', 'split': f'{data} [train]'}
+    code, _, err = run_cli(capsys, 'eval', '--checkpoint', ckpt, '--data', data, '--threads', 1, '--progress', 'none')
+    assert code == 0 and seen == {'batch_size': 256, 'device': 'auto', 'split': f'{data} [test]'}, err
+    assert_one_line(*run_cli(capsys, 'eval', '--checkpoint', ckpt, '--data', data, '--batch-size', 8,
+                             'batch_size=7')[::2], '--batch-size 8 and batch_size=7 disagree')
+
+
 # --- 9: run bookkeeping ----------------------------------------------------------------------------------
 
 def rows(run: Path):

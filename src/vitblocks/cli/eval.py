@@ -48,20 +48,38 @@ def add_parser(subparsers) -> None:
     p.add_argument('--model', help='model name (default: the one a vitblocks checkpoint was trained as)')
     p.add_argument('--checkpoint', required=True, help='last.pth/best.pth of a run, a .safetensors or a timm .pth')
     p.add_argument('--data', required=True, help='dataset path or name')
-    p.add_argument('--split', help="split to evaluate (default: 'val' if present, else 'test')")
+    p.add_argument('--split', help="split to evaluate (default: 'val' if present, else 'test'; or val_split=)")
     p.add_argument('--ema', action='store_true', help='evaluate the run\'s EMA weights')
     p.add_argument('--reparam', action='store_true', help='evaluate the deployed form (timm reparameterize_model)')
     p.add_argument('--robustness', choices=ROBUSTNESS_SETS, help='--data is this robustness set (ImageNet model)')
-    p.add_argument('--batch-size', type=positive_int, default=256)
-    p.add_argument('--device', default='auto')
+    p.add_argument('--batch-size', type=positive_int, help='images per batch (default 256; or batch_size=)')
+    p.add_argument('--device', help="'cpu', 'cuda', 'cuda:1' (default auto: cuda if available; or device=)")
     p.add_argument('--threads', type=positive_int)
-    p.add_argument('--workers', type=int, default=0)
+    p.add_argument('--workers', type=int, help='DataLoader worker processes (default 0; or workers=)')
     p.add_argument('--per-class', action='store_true', help='print the accuracy of every class')
     p.add_argument('--json', metavar='PATH', help='also write the results as JSON')
     p.add_argument('--progress', choices=('auto', 'bar', 'log', 'none'), default='auto',
                    help='progress of the evaluation on stderr: a bar on a terminal, else a line every 10 s (auto)')
     p.add_argument('overrides', nargs='*', metavar='KEY=VALUE', help='config keys, e.g. model_kwargs=... mean=...')
     p.set_defaults(run=run)
+
+
+# eval's defaults for the keys its flags set: above a run's config (its batch size and device were for training),
+# below KEY=VALUE overrides and the flags
+EVAL_DEFAULTS = {'batch_size': 256, 'workers': 0, 'device': 'auto'}
+FLAG_KEYS = {'data': '--data', 'batch_size': '--batch-size', 'workers': '--workers', 'device': '--device',
+             'val_split': '--split'}
+
+
+def _flags(args, overrides) -> dict:
+    """The config keys the flags given set; a key given both as a flag and as KEY=VALUE with another value is refused
+    (the flag would silently win)."""
+    flags = {k: getattr(args, 'split' if k == 'val_split' else k) for k in FLAG_KEYS}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    for key, value in flags.items():
+        if key in overrides and overrides[key] != value:
+            raise CliError(f'{FLAG_KEYS[key]} {value} and {key}={overrides[key]} disagree; give one of them')
+    return flags
 
 
 def _load(args):
@@ -81,9 +99,8 @@ def _load(args):
         base['model'] = args.model
     if not base.get('model'):
         raise CliError(f'{path} is not a vitblocks run checkpoint; say which model it holds with --model')
-    layers = [base, parse_overrides(args.overrides), {'data': args.data, 'batch_size': args.batch_size,
-                                                       'workers': args.workers, 'device': args.device}]
-    return merge(*layers), state, meta
+    overrides = parse_overrides(args.overrides)
+    return merge(base, EVAL_DEFAULTS, overrides, _flags(args, overrides)), state, meta
 
 
 def _load_deployed(args, path: Path):
@@ -110,8 +127,7 @@ def _load_deployed(args, path: Path):
         if given != [float(v) for v in recorded[key]]:
             raise CliError(f'{path} records {key}={recorded[key]} (the preprocessing it was trained with), not '
                            f'{overrides[key]}; drop {key}=')
-    cfg = merge({'model': name}, overrides, {'data': args.data, 'batch_size': args.batch_size,
-                                              'workers': args.workers, 'device': args.device})
+    cfg = merge({'model': name}, EVAL_DEFAULTS, overrides, _flags(args, overrides))
     kwargs = dict(cfg.model_kwargs)  # e.g. the architecture of a custom-size model; sizes must match the file's
     block_cfg = kwargs.pop('block_cfg', None)
     if cfg.num_classes is not None:
@@ -179,8 +195,9 @@ def run(args) -> int:
         if args.robustness:
             sets = robustness_sets(args.robustness, Path(cfg.data))
         else:
-            split = args.split or eval_split_of(cfg.data)
-            ds = _open_split(cfg, split, args.split is not None, classes)
+            explicit = args.split is not None or 'val_split' in parse_overrides(args.overrides)  # not a run's own
+            split = cfg.val_split if explicit else eval_split_of(cfg.data)
+            ds = _open_split(cfg, split, explicit, classes)
             num_classes = num_classes or ds.num_classes
             sets = [None]
         if not deployed:
