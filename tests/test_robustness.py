@@ -101,6 +101,9 @@ def test_bad_values_are_refused_at_load_time(override, message):
     (['opt=adamx'], 'did you mean adamax'), (['seed=abc'], "seed='abc'"),
     (['--device', 'tpu'], "device='tpu'"), (['input_size=[3, 16, 16]'], 'is built for 8x8 images only'),
     (['--train-subset', '1000'], 'train_subset=1000'), (['--lr', 'nan'], 'lr=nan: expected a finite number'),
+    # a flag and its KEY=VALUE: the flag won silently (tiny_train's --epochs 1 over epochs=5)
+    (['epochs=5'], '--epochs 1 and epochs=5 disagree; give one of them'),
+    (['--no-amp', 'amp=yes', '--seed', '3', 'seed=4'], '--no-amp and amp=True disagree; --seed 3 and seed=4 disagree'),
 ])
 def test_train_bad_inputs_are_one_line(data, tmp_path, capsys, extra, fragment):
     assert_one_line(*run_cli(capsys, *tiny_train(data, tmp_path, *extra))[::2], fragment)

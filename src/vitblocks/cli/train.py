@@ -74,9 +74,19 @@ def _flag_overrides(args) -> dict:
     return out
 
 
+def _flag_shown(key: str, value) -> str:
+    """The flag that set config ``key``, as typed (``--no-amp``, ``--epochs 3``)."""
+    return {'amp': '--no-amp', 'compile': '--compile'}.get(key, f'--{key.replace("_", "-")} {value}')
+
+
 def build_config(args):
     """(config, resume checkpoint or None) from the command line."""
-    overrides = {**parse_overrides(args.overrides), **_flag_overrides(args)}
+    given, flags = parse_overrides(args.overrides), _flag_overrides(args)
+    clash = sorted(k for k in set(given) & set(flags) if given[k] != flags[k])  # both typed (schema, argparse)
+    if clash:  # the flag would silently win
+        raise CliError('; '.join(f'{_flag_shown(k, flags[k])} and {k}={given[k]} disagree' for k in clash)
+                       + '; give one of them')
+    overrides = {**given, **flags}
     if overrides.get('data'):  # the run must find its data from any working directory (--resume elsewhere)
         overrides['data'] = os.path.abspath(resolve_data_path(str(overrides['data'])))
     if overrides.get('initial_checkpoint'):
