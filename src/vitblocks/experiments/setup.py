@@ -15,10 +15,10 @@ from ..models import resolve_model_name
 from ..profile import fixed_image_size, input_size_of
 from .config import ConfigError, TrainConfig
 
-__all__ = ['create_model', 'model_name', 'mlp_dropout_kwargs', 'model_input_size', 'no_weight_decay_names', 'norm_stats',
-           'DataSetup', 'setup_data', 'make_loader', 'pil_transform', 'open_train_split', 'resolve_device',
-           'load_initial_weights',
-           'dataset_manifest', 'check_same_dataset', 'set_cuda_matmul_precision']
+__all__ = ['create_model', 'model_name', 'mlp_dropout_kwargs', 'model_input_size', 'no_weight_decay_names',
+           'norm_stats', 'DataSetup', 'setup_data', 'make_loader', 'pil_transform', 'open_train_split',
+           'resolve_device', 'load_initial_weights', 'dataset_manifest', 'check_same_dataset',
+           'set_cuda_matmul_precision']
 
 
 def resolve_device(name: str) -> torch.device:
