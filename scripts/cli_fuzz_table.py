@@ -68,6 +68,15 @@ CASES = [  # (what, command line with placeholders, extra setup)
     ('compile mode without --compile', 'bench deit_tiny_patch16_224 --compile-mode max-autotune'),
     ('format and file name disagree', 'export deit_tiny_patch16_224 --format pt2 --out OUT.onnx'),
     ('unknown model', 'profile deit_tiny_patch16'),
+    ('not a finite number', f'{TRAIN} --lr nan'),
+    ('a flag and its KEY=VALUE disagree', f'{TRAIN} --epochs 1 epochs=5'),
+    ('unknown model (before the data is read)', 'train --model nosuch --data DATA --output RUNS'),
+    ('a paper table list with no table', 'compare --paper iffn --tables ,'),
+    ('latency options with --no-latency', 'plot RUN --no-latency --repeats 3'),
+    ('plot in a missing folder (before the analysis)', 'analyze entropy deit_tiny_patch16_224 --out NOSUCH/e.png'),
+    ('data that breakdown would not use', 'analyze breakdown deit_tiny_patch16_224 --data DATA'),
+    ('convert to a path under a file (before reading SRC)',
+     'convert RUN/last.pth FILE/c.safetensors --model deit_tiny_patch16_224'),
 ]
 
 
