@@ -377,3 +377,13 @@ def test_convert_refuses_an_unwritable_dst_and_names_the_flag_it_parsed(tmp_path
     assert len(err.strip().splitlines()) == 1
     assert not list(tmp_path.glob('.*')), 'a temporary of the write was left behind'
     assert dst.is_dir() if case == 'folder' else not dst.exists()
+
+
+def test_a_source_that_cannot_be_opened_is_one_line(tmp_path):
+    """torch.load's own OSError (permissions, a file gone meanwhile) is reported, not a second one from
+    reading the file's first bytes."""
+    from vitblocks.cli.convert import _unreadable
+    gone = tmp_path / 'gone.pth'
+    error = PermissionError(13, 'Permission denied', str(gone))
+    message = _unreadable(gone, error)
+    assert message == f"cannot read {gone} as a torch checkpoint ([Errno 13] Permission denied: '{gone}')"

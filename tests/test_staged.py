@@ -163,4 +163,7 @@ def test_group_matcher_coarse_is_one_group_per_stage(name):
     assert taken == [{0}, {1}, {2}, {3}]  # each stage whole in one group, in order
     for g, s in zip(groups, stage_of):
         assert not s or all(n.startswith(('stages.', 'norm.')) for n in g), g  # only the final norm joins a stage
+    last_stage = groups[max(i for i, s in enumerate(stage_of) if s)]
+    assert any(n.startswith('norm.') for n in last_stage) or not any(  # it joins the last stage
+        n.startswith('norm.') for g in groups for n in g)
     assert any(n.startswith('head') for n in groups[-1])

@@ -18,7 +18,7 @@ from ..models import get_variant, list_models, resolve_model_name, swap_ffn
 __all__ = ['CliError', 'ArgumentParser', 'resolve', 'is_vitblocks_model', 'build_model', 'describe_model',
            'format_cfg', 'parse_block_cfg', 'positive_int', 'positive_float', 'non_negative_int', 'render_table',
            'progress', 'end_progress', 'check_writable_dir', 'check_writable_file', 'add_model_size_args',
-           'model_size_kwargs', 'load_trained_model']
+           'model_size_kwargs', 'load_trained_model', 'refuse_disagreeing_flags']
 
 
 class CliError(Exception):
@@ -124,6 +124,15 @@ def check_writable_dir(path: Path, what: str, shown: Optional[Path] = None) -> N
             pass
     except OSError as e:
         raise CliError(f'{what} {shown}: cannot write into {probe} ({e.strerror or e}); pick another place') from None
+
+
+def refuse_disagreeing_flags(flags: dict, given: dict, shown) -> None:
+    """Refuse config keys set both by a flag (``flags``) and by KEY=VALUE (``given``) to different values: the
+    flag would silently win. ``shown(key, value)`` spells the flag as typed (``--epochs 3``)."""
+    clash = sorted(k for k in set(given) & set(flags) if given[k] != flags[k])  # both typed (schema, argparse)
+    if clash:
+        raise CliError('; '.join(f'{shown(k, flags[k])} and {k}={given[k]} disagree' for k in clash)
+                       + '; give one of them')
 
 
 def check_writable_file(path: Path, what: str) -> None:

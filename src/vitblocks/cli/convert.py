@@ -76,8 +76,11 @@ def _read_state_dict(path: Path, ema: bool) -> dict:
 def _unreadable(path: Path, error: Exception) -> str:
     """Why torch.load failed on ``path``, told from the file's first bytes and the error."""
     detail = ' '.join(str(error).split())
-    with open(path, 'rb') as f:
-        head = f.read(16)
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(16)
+    except OSError:  # unreadable (permissions, a vanished file): torch's own error says why
+        return f'cannot read {path} as a torch checkpoint ({detail[:200]})'
     if not head:
         return f'{path} is empty, not a torch checkpoint'
     if len(head) > 8 and head[8:9] == b'{' and int.from_bytes(head[:8], 'little') < 1 << 30:

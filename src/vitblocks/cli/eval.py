@@ -16,7 +16,7 @@ from ..experiments.robustness import ROBUSTNESS_SETS, mean_corruption_error, rob
 from ..experiments.runlog import write_json
 from ..experiments.setup import DataSetup, create_model, make_loader, model_input_size, norm_stats, resolve_device
 from ..profile import count_macs, count_params, fixed_image_size
-from .common import CliError, check_writable_file, positive_int, render_table, resolve
+from .common import CliError, check_writable_file, positive_int, refuse_disagreeing_flags, render_table, resolve
 
 NAME = 'eval'
 
@@ -76,9 +76,7 @@ def _flags(args, overrides) -> dict:
     (the flag would silently win)."""
     flags = {k: getattr(args, 'split' if k == 'val_split' else k) for k in FLAG_KEYS}
     flags = {k: v for k, v in flags.items() if v is not None}
-    for key, value in flags.items():
-        if key in overrides and overrides[key] != value:
-            raise CliError(f'{FLAG_KEYS[key]} {value} and {key}={overrides[key]} disagree; give one of them')
+    refuse_disagreeing_flags(flags, overrides, lambda key, value: f'{FLAG_KEYS[key]} {value}')
     return flags
 
 

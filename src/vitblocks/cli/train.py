@@ -7,7 +7,7 @@ from ..data import DataError, resolve_data_path
 from ..experiments import (CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, list_recipes,
                            load_config, load_recipe, merge, parse_overrides, train)
 from ..experiments.config import RESUME_CHANGEABLE
-from .common import CliError, check_writable_dir, positive_int
+from .common import CliError, check_writable_dir, positive_int, refuse_disagreeing_flags
 
 NAME = 'train'
 
@@ -82,10 +82,7 @@ def _flag_shown(key: str, value) -> str:
 def build_config(args):
     """(config, resume checkpoint or None) from the command line."""
     given, flags = parse_overrides(args.overrides), _flag_overrides(args)
-    clash = sorted(k for k in set(given) & set(flags) if given[k] != flags[k])  # both typed (schema, argparse)
-    if clash:  # the flag would silently win
-        raise CliError('; '.join(f'{_flag_shown(k, flags[k])} and {k}={given[k]} disagree' for k in clash)
-                       + '; give one of them')
+    refuse_disagreeing_flags(flags, given, _flag_shown)
     overrides = {**given, **flags}
     if overrides.get('data'):  # the run must find its data from any working directory (--resume elsewhere)
         overrides['data'] = os.path.abspath(resolve_data_path(str(overrides['data'])))

@@ -29,8 +29,8 @@ from torch import nn
 from ..profile import input_size_of
 from .io import written_in_place_at_the_end
 
-__all__ = ['export_pt2', 'export_onnx', 'export_torchscript', 'check_export', 'example_input', 'ExportDependencyError',
-           'FORMATS', 'ONNX_PROTOBUF_LIMIT', 'weight_bytes']
+__all__ = ['export_pt2', 'export_onnx', 'export_torchscript', 'check_export', 'example_input', 'traced_batch_size',
+           'ExportDependencyError', 'FORMATS', 'ONNX_PROTOBUF_LIMIT', 'weight_bytes']
 
 FORMATS = ('pt2', 'onnx', 'torchscript')  # torchscript: deprecated, kept for existing users
 ONNX_PROTOBUF_LIMIT = 2 ** 31  # bytes; an ONNX file holding more weights must keep them as external data

@@ -74,10 +74,11 @@ class MetricsLog:
 
 def remove_stale_temporaries(run_dir: Path) -> List[Path]:
     """Delete the temporary files of writes a killed process left (``.last.pth.*.tmp`` from
-    ``save_checkpoint``, ``metrics.csv.tmp``, ``results.json.tmp``, ``config.yaml.tmp``); returns what was
-    removed.
+    ``save_checkpoint``, ``metrics.csv.tmp``, ``results.json.tmp``, ``config.yaml.tmp``, ``.curves.png.tmp``
+    from ``png_figure``); returns what was removed.
     Call it only while no other process writes into ``run_dir``."""
-    stale = [p for pattern in ('.*.pth.*.tmp', '*.csv.tmp', '*.json.tmp', '*.yaml.tmp') for p in run_dir.glob(pattern)]
+    patterns = ('.*.pth.*.tmp', '*.csv.tmp', '*.json.tmp', '*.yaml.tmp', '.*.png.tmp')
+    stale = [p for pattern in patterns for p in run_dir.glob(pattern)]
     for p in stale:
         p.unlink(missing_ok=True)
     return stale

@@ -52,7 +52,7 @@ class StagedBackbone(nn.Module):
         weight and bias got different learning rates)."""
         return dict(
             stem=r'^stem',
-            blocks=r'^stages\.(\d+)' if coarse else [
+            blocks=[(r'^stages\.(\d+)', None), (r'^norm\.', (99999,))] if coarse else [
                 (r'^stages\.(\d+)\.(?:downsample|norm)\.', (-1,)),  # before the stage's block 0
                 (r'^stages\.(\d+)\.blocks\.(\d+)\.', None),
                 (r'^norm\.', (99999,)),  # timm's MATCH_PREV_GROUP: with the last block
