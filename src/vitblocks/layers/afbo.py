@@ -406,6 +406,7 @@ class AFBO(nn.Module):
             N, prefix, grid = gh * gw, 0, (gh, gw)
         else:
             raise ValueError(f'AFBO expects tokens (B, N, C) or a map, got shape {list(x.shape)}')
+        self.left_map.check_width(x)  # both maps read the same rows; once, not per slice
         rows = x.reshape(B, N, C)  # a view unless the input is channels-first
         out = rows.new_empty(B, N, self.out_features)
         hid = self.hidden_features

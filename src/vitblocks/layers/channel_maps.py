@@ -106,13 +106,15 @@ class ChannelMap(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def _check_width(self, x: torch.Tensor) -> None:
+    def check_width(self, x: torch.Tensor) -> None:
+        """A clear error for input whose last dim is not ``in_features`` (``forward`` checks; callers of
+        ``forward_into`` check once per call of theirs, not per batch slice)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f'this channel map takes {self.in_features} input channels (last dim) to '
                              f'{self.out_features}, got input of shape {list(x.shape)}')
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_width(x)
+        self.check_width(x)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)  # (..., d) -> (T, d); a view for contiguous input
         if torch.is_grad_enabled():
@@ -134,9 +136,8 @@ class ChannelMap(nn.Module):
         """No-autograd path: ``out[T, Md] = rows[T, d] @ W^T + b`` written in place, no layout copy.
 
         ``weight`` may be a precomputed :meth:`bmm_weight` (the inference path of AFBO builds it
-        once per forward instead of once per batch slice).
+        once per forward instead of once per batch slice). The caller checks the width (:meth:`check_width`).
         """
-        self._check_width(rows)
         g = self.groups
         w = self.bmm_weight() if weight is None else weight
         out_view = out.view(out.shape[0], g, -1).transpose(0, 1)  # (T, Md) -> (G, T, n) view of out
@@ -166,12 +167,11 @@ class DenseChannelMap(ChannelMap):
         self.init_weights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_width(x)
+        self.check_width(x)
         return nn.functional.linear(x, self.weight, self.bias)
 
     def forward_into(self, rows: torch.Tensor, out: torch.Tensor,
                      weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        self._check_width(rows)
         w = self.weight if weight is None else weight
         if self.bias is None:
             return torch.mm(rows, w.t(), out=out)
