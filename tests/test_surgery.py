@@ -15,6 +15,7 @@ FAMILIES = [  # (timm name, kwargs, expected slots)
     ('poolformer_s12', {}, 12),
     ('mixer_s16_224', {}, 8),
     ('lvvit_s', dict(img_size=32, embed_dim=64, num_heads=2), 16),  # vitblocks.models.lvvit, a timm VisionTransformer subclass
+    ('ninformer_baseline_mixer_patch4_32', {}, 4),  # a VisionTransformer of timm MixerBlocks (mlp_channels)
 ]
 
 
@@ -36,6 +37,14 @@ def test_swap_sets_prefix_tokens_and_grid():
     assert layout.grid_size == (4, 4)
     assert layout is model.blocks[-1].mlp.layout  # one shared layout per ViT
     assert model(torch.randn(1, 3, 56, 56)).shape == (1, 10)
+
+
+def test_a_vit_of_mixer_blocks_swaps_its_channel_mlps():
+    model = timm.create_model('ninformer_baseline_mixer_patch4_32')
+    assert vitblocks.swap_ffn(model, 'iffn') == 4
+    assert all(isinstance(blk.mlp_channels, IFFN) and type(blk.mlp_tokens).__name__ == 'Mlp' for blk in model.blocks)
+    assert model.blocks[0].mlp_channels.layout.grid_size == (8, 8)  # 32 px / patch 4, no prefix token
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
 def test_poolformer_is_channels_first():

@@ -7,7 +7,8 @@ when the input resolution changes.
 | family (timm class)           | slot                      | layout seen by the FFN                      |
 | ----------------------------- | ------------------------- | ------------------------------------------- |
 | VisionTransformer (ViT, DeiT, | ``blocks[i].mlp``         | tokens ``(B, P + H*W, C)``, P prefix tokens |
-| distilled DeiT, reg tokens)   |                           | (grid from the patch embedding)             |
+| distilled DeiT, reg tokens)   | (``mlp_channels`` of a    | (grid from the patch embedding)             |
+|                               | ``MixerBlock``)           |                                             |
 | SwinTransformer               | ``layers[s].blocks[i].mlp`` | tokens ``(B, H*W, C)`` (grid = block input) |
 | MetaFormer (PoolFormer)       | ``stages[s].blocks[i].mlp`` | channels-first ``(B, C, H, W)``           |
 | MlpMixer                      | ``blocks[i].mlp_channels``  | tokens ``(B, H*W, C)``; token MLPs untouched |
@@ -37,7 +38,7 @@ import torch
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from timm.models.gcvit import GlobalContextVit
 from timm.models.metaformer import MetaFormer
-from timm.models.mlp_mixer import MlpMixer
+from timm.models.mlp_mixer import MixerBlock, MlpMixer
 from timm.models.pvt_v2 import Block as PvtV2Block
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.swin_transformer import SwinTransformer
@@ -133,7 +134,9 @@ def find_ffn_slots(model: nn.Module) -> List[Slot]:
     if isinstance(model, VisionTransformer):
         layout = _shared_patch_layout(model.patch_embed, model.num_prefix_tokens)
         for i, blk in enumerate(model.blocks):
-            slots.append((blk, 'mlp', f'blocks.{i}.mlp', layout))
+            # a ViT whose blocks are Mixer blocks (NiNformer's Mixer baseline) keeps its MLP in mlp_channels
+            attr = 'mlp_channels' if isinstance(blk, MixerBlock) else 'mlp'
+            slots.append((blk, attr, f'blocks.{i}.{attr}', layout))
     elif isinstance(model, SwinTransformer):
         for s, stage in enumerate(model.layers):
             for i, blk in enumerate(stage.blocks):
