@@ -185,3 +185,33 @@ def test_swap_names_an_activation_it_cannot_carry_over():
     with pytest.raises(ValueError, match=r"'iffn' takes over the activation .* pass act_layer= explicitly"):
         vitblocks.swap_ffn(model, 'iffn')
     assert vitblocks.swap_ffn(model, 'iffn', act_layer='gelu') == 1
+
+
+def _decay_by_name(model, optimizer):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: g['weight_decay'] for g in optimizer.param_groups for p in g['params']}
+
+
+@pytest.mark.parametrize('name,kwargs,own', [
+    ('iffn_deit_tiny_patch16_224', dict(img_size=32, depth=2), 'pos_embed'),  # swap_ffn
+    ('iffn_lvt', {}, 'cls_token'),  # swap_ffn + LVT's class-attention blocks
+])
+def test_timm_optimizer_factory_keeps_agelu_shifts_out_of_weight_decay(name, kwargs, own):
+    """timm's create_optimizer_v2 asks model.no_weight_decay() only; the swapped IFFNs' stacked (2, C) AGeLU
+    shifts must be named there (the authors' (1, 1, C) '.bias' tensors were not decayed), scales decayed."""
+    import copy
+    from timm.optim import create_optimizer_v2
+    model = timm.create_model(name, **kwargs)
+    decay = _decay_by_name(model, create_optimizer_v2(model, 'adamw', weight_decay=0.05))
+    acts = sorted({n.rsplit('.', 1)[0] for n in decay if n.endswith('.act.gamma')})
+    assert len(acts) == sum(isinstance(m, IFFN) for m in model.modules()) > 0
+    assert {decay[f'{a}.{k}'] for a in acts for k in ('gamma', 'theta')} == {0.0}
+    assert {decay[f'{a}.{k}'] for a in acts for k in ('alpha', 'beta')} == {0.05}
+    assert decay[own] == 0.0 and len(decay) == len(dict(model.named_parameters()))
+    assert copy.deepcopy(model).no_weight_decay() == model.no_weight_decay()  # a plain attribute, copied
+
+
+def test_a_model_without_exclusions_keeps_its_own_no_weight_decay():
+    model = timm.create_model('deit_tiny_patch16_224', img_size=32, depth=1)
+    vitblocks.swap_ffn(model, 'afbo')  # nothing AFBO keeps out of weight decay by name
+    assert 'no_weight_decay' not in vars(model) and model.no_weight_decay() == type(model).no_weight_decay(model)

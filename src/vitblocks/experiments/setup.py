@@ -1,6 +1,6 @@
 """From a config to the objects a run needs: the model, its input size, datasets and loaders."""
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import timm
 import torch
@@ -12,6 +12,7 @@ from ..data import (BatchTransform, DataError, EpochOrder, ImageDataset, PILLoad
 from ..data.shards import is_shard_path
 from ..data.transforms import PIL_ONLY_AUGMENTS
 from ..models import resolve_model_name
+from ..models.weight_decay import no_weight_decay_names  # re-exported: the trainer's optimizer groups
 from ..profile import fixed_image_size, input_size_of
 from .config import ConfigError, TrainConfig
 
@@ -76,17 +77,6 @@ def create_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     except TypeError as e:
         raise ConfigError(f'cannot build {name} with {kwargs}: {e}; check model_kwargs / drop_rate / '
                           f'drop_path_rate') from None
-
-
-def no_weight_decay_names(model: nn.Module) -> Set[str]:
-    """Parameter names kept out of weight decay: timm's ``model.no_weight_decay()`` (position embeddings,
-    class tokens), plus what any submodule names in its own ``no_weight_decay()`` (IFFN's AGeLU shifts),
-    prefixed with the submodule's path. timm's optimizer factory asks the model only."""
-    names = set(model.no_weight_decay()) if hasattr(model, 'no_weight_decay') else set()
-    for path, module in model.named_modules():
-        if path and hasattr(module, 'no_weight_decay'):
-            names |= {f'{path}.{name}' for name in module.no_weight_decay()}
-    return names
 
 
 def model_input_size(model: nn.Module, cfg: TrainConfig) -> Tuple[int, int, int]:

@@ -137,8 +137,8 @@ class ArbitraryActivation(nn.Module):
         """The shifts ``gamma, theta`` stay out of weight decay, as in the IFFN authors' training: their
         coefficients are ``scale``/``bias`` tensors of shape ``(1, 1, C)``, and timm's optimizer factory
         decays the scales but not names ending in ``.bias``. (timm leaves all 1-D tensors undecayed, so
-        here only the stacked ``(N, C)`` ones of :class:`ConcatArbitraryActivations` differ.) vitblocks'
-        trainer collects these per-module names (``experiments.setup.no_weight_decay_names``)."""
+        here only the stacked ``(N, C)`` ones of :class:`ConcatArbitraryActivations` differ.) ``swap_ffn``
+        puts these per-module names into the model's ``no_weight_decay()`` (``models.weight_decay``)."""
         return {'gamma', 'theta'}
 
     def _shaped(self, p: torch.Tensor) -> torch.Tensor:

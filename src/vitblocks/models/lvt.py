@@ -40,6 +40,7 @@ from timm.models.volo import ClassBlock
 from torch import nn
 
 from .staged import ChannelsLastStage, StagedBackbone, create_staged
+from .weight_decay import expose_no_weight_decay
 
 __all__ = ['LVT', 'ConvSelfAttention', 'RecursiveAtrousSelfAttention', 'LVTMlp']
 
@@ -347,6 +348,7 @@ def swap_class_block_ffns(model: LVT, name: str, **cfg) -> int:
         ref = old.fc1.weight
         blk.mlp = create_ffn(name, old.fc1.in_features, old.fc1.out_features, old.fc2.out_features,
                              layout=TokenLayout(None, 0), device=ref.device, dtype=ref.dtype, **cfg).train(old.training)
+    expose_no_weight_decay(model)
     return len(model.post_blocks)
 
 

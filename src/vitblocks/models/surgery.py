@@ -51,6 +51,7 @@ from .cyclemlp import CycleMLPNet
 from .hiremlp import HireMLPNet
 from .edgevit import EdgeViT, LocalAggregation
 from .vision_llama import PyramidVisionLLaMA
+from .weight_decay import expose_no_weight_decay
 
 __all__ = ['swap_ffn', 'find_ffn_slots', 'SUPPORTED_FAMILIES']
 
@@ -251,7 +252,9 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
 
     Returns:
         The number of modules replaced. New modules are freshly initialized, on the device and
-        dtype of the module they replace, in the model's current train/eval mode.
+        dtype of the module they replace, in the model's current train/eval mode. The model's
+        ``no_weight_decay()`` then also names what the new modules keep out of weight decay
+        (``models.weight_decay``), so timm's optimizer factory groups them as vitblocks' trainer does.
 
     Raises:
         ValueError: if the model has no supported slot (or ``include`` selected none), or a selected
@@ -282,4 +285,5 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
     if count == 0:
         raise ValueError(f'swap_ffn: include= selected none of the {len(slots)} slots of {type(model).__name__} '
                          f'(e.g. {slots[0][2]!r})')
+    expose_no_weight_decay(model)  # timm's optimizer factory asks the model only
     return count
