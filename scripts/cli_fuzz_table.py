@@ -55,6 +55,7 @@ CASES = [  # (what, command line with placeholders, extra setup)
     ('checkpoint of other classes', 'eval --checkpoint RUN/last.pth --data OTHER'),
     ('split the data lacks', 'eval --checkpoint RUN/last.pth --data DATA --split val'),
     ('unwritable --json (before evaluating)', 'eval --checkpoint RUN/last.pth --data DATA --json FILE/r.json'),
+    ('a key only training reads', 'eval --checkpoint RUN/last.pth --data DATA lr=3 mixup=0.8'),
     ('empty metrics.csv', 'plot EMPTYMETRICS --no-latency'),
     ('unwritable plot folder', 'plot RUN --output FILE/figs --no-latency'),
     ('IFFN num_functions=0', 'profile iffn_deit_tiny_patch16_224 --block-cfg num_functions=0'),

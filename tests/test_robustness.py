@@ -282,6 +282,30 @@ def test_eval_honours_the_overrides_of_keys_it_has_flags_for(run_dir, data, caps
                              'batch_size=7')[::2], '--batch-size 8 and batch_size=7 disagree')
 
 
+def test_eval_refuses_overrides_only_training_reads(run_dir, data, capsys):
+    ckpt = run_dir / 'last.pth'
+    assert_one_line(*run_cli(capsys, 'eval', '--checkpoint', ckpt, '--data', data, 'lr=3', 'epochs=7')[::2],
+                    'epochs=7, lr=3: only training reads these keys; evaluation would ignore them (drop them)')
+    assert_one_line(*run_cli(capsys, 'eval', '--checkpoint', ckpt, '--data', data, 'threads=1', 'amp=true')[::2],
+                    'amp=true, threads=1: only training reads these keys; evaluation would ignore them '
+                    '(--threads instead of threads=)')
+    assert_one_line(*run_cli(capsys, 'eval', '--checkpoint', ckpt, '--data', data, 'lrr=3')[::2], 'lrr')  # unknown
+    code, out, err = run_cli(capsys, 'eval', '--checkpoint', ckpt, '--data', data, 'val_subset=4', 'crop_pct=1.0',
+                             'interpolation=bicubic', '--threads', 1, '--progress', 'none')
+    assert code == 0 and '4 images' in out, err
+
+
+def test_every_config_key_is_either_read_by_evaluation_or_refused_by_it():
+    """A new TrainConfig key must be classified: EVAL_READS lists those evaluation reads; the others are refused.
+    The keys evaluation reads (from cli/eval.py and the experiments.setup functions it calls) are pinned here."""
+    import dataclasses
+    from vitblocks.cli.eval import EVAL_FLAG_FOR, EVAL_READS
+    from vitblocks.experiments import TrainConfig
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert EVAL_READS <= fields and set(EVAL_FLAG_FOR) <= fields - EVAL_READS
+    assert len(fields) == 85 and len(EVAL_READS) == 17  # a new key: decide whether eval reads it, then update
+
+
 # --- 9: run bookkeeping ----------------------------------------------------------------------------------
 
 def rows(run: Path):

@@ -1,4 +1,5 @@
 """`vitblocks eval --model NAME --checkpoint PATH --data PATH [--reparam]`: accuracy, loss, speed."""
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -9,7 +10,8 @@ from timm.utils import reparameterize_model
 from ..data import DataError, build_dataset, eval_split_of
 from ..deploy.io import (DeployedCheckpointError, is_deployed_file, load_deployed, read_deployed_metadata,
                          recorded_preprocessing)
-from ..experiments import CheckpointError, ConfigError, evaluate, load_model_weights, merge, parse_overrides
+from ..experiments import (CheckpointError, ConfigError, TrainConfig, evaluate, load_model_weights, merge,
+                           parse_overrides)
 from ..experiments.checkpoint import FORMAT, read_checkpoint
 from ..experiments.distributed import init_distributed
 from ..experiments.robustness import ROBUSTNESS_SETS, mean_corruption_error, robustness_sets
@@ -39,6 +41,8 @@ Top-5 is top-k with k = min(5, classes). images/s is measured over the whole eva
 (data pipeline included) on the chosen device. GMACs are counted for one image. val_subset=N
 evaluates the first N images only. The data's class names must be among the checkpoint's
 (an MNIST checkpoint on CIFAR-10 is refused); --split must name a split the data has.
+KEY=VALUE takes the keys evaluation reads (model, data, preprocessing, loader); a key only training
+reads (lr=, epochs=, mixup=, amp=, threads= ...) is refused rather than ignored.
 """
 
 
@@ -69,6 +73,27 @@ def add_parser(subparsers) -> None:
 EVAL_DEFAULTS = {'batch_size': 256, 'workers': 0, 'device': 'auto'}
 FLAG_KEYS = {'data': '--data', 'batch_size': '--batch-size', 'workers': '--workers', 'device': '--device',
              'val_split': '--split'}
+
+
+# the config keys evaluation reads (model, data, preprocessing, loader); any other KEY=VALUE only changes training
+# (optimizer, schedule, augmentation, dropout, run bookkeeping) and would be silently ignored, so it is refused
+EVAL_READS = frozenset({'model', 'model_kwargs', 'num_classes', 'data', 'val_split', 'val_subset', 'input_size', 'mean',
+                        'std', 'interpolation', 'crop_pct', 'pipeline', 'uint8_batches', 'images_on_device',
+                        'batch_size', 'workers', 'device'})
+EVAL_FLAG_FOR = {'threads': '--threads', 'progress': '--progress', 'model_ema': '--ema'}
+
+
+def refuse_training_only(items) -> None:
+    """KEY=VALUE items that evaluation never reads are an error that names them as typed (and eval's flag, if it
+    has one). Unknown keys are left to ``merge`` (it suggests the nearest key)."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    typed = {item.split('=', 1)[0].strip(): item for item in items or ()}
+    ignored = sorted(set(typed) & known - EVAL_READS)
+    if ignored:
+        flags = [f'{EVAL_FLAG_FOR[k]} instead of {k}=' for k in ignored if k in EVAL_FLAG_FOR]
+        raise CliError(f'{", ".join(typed[k] for k in ignored)}: only training reads '
+                       f'{"this key" if len(ignored) == 1 else "these keys"}; evaluation would ignore '
+                       f'{"it" if len(ignored) == 1 else "them"} ({"; ".join(flags) or "drop them"})')
 
 
 def _flags(args, overrides) -> dict:
@@ -180,6 +205,7 @@ def run(args) -> int:
         check_writable_file(Path(args.json), '--json')  # before the evaluation, not after it
     deployed = is_deployed_file(args.checkpoint)
     try:
+        refuse_training_only(args.overrides)  # before any checkpoint or data is read
         if deployed:
             cfg, model, meta = _load_deployed(args, Path(args.checkpoint))
         else:
