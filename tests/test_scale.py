@@ -242,6 +242,9 @@ if kill and os.environ['RANK'] == '1' and not restarted:
 result = trainer.fit()
 bn = {{k: v for k, v in trainer.model.state_dict().items() if 'running' in k}}
 torch.save(bn, spec['dump'] + '.rank' + os.environ['RANK'])
+if trainer.ema is not None:
+    ema = {{k: v for k, v in trainer.ema.module.state_dict().items() if 'running' in k}}
+    torch.save(ema, spec['dump'] + '.ema' + os.environ['RANK'])
 if spec.get('dump_stream'):  # the images this rank streams in epoch 0
     images = torch.cat([x for x, _ in trainer.train_loader.epoch(0)])
     torch.save(images, spec['dump'] + '.stream' + os.environ['RANK'])
@@ -266,7 +269,8 @@ def _bn_cfg(data, out, **kw):
 
 @pytest.mark.slow
 def test_two_processes_average_bn_stats_then_resume_on_one(data, tmp_path):
-    out = _torchrun(tmp_path, {'cfg': _bn_cfg(data, tmp_path), 'dump': str(tmp_path / 'bn')})
+    cfg = _bn_cfg(data, tmp_path, model_ema=True, model_ema_decay=0.5)
+    out = _torchrun(tmp_path, {'cfg': cfg, 'dump': str(tmp_path / 'bn')})
     assert out.returncode == 0, out.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f'bn.rank{r}') for r in (0, 1))
     saved = load_checkpoint(tmp_path / 'run' / 'last.pth')
@@ -274,8 +278,14 @@ def test_two_processes_average_bn_stats_then_resume_on_one(data, tmp_path):
     for k in r0:  # every rank ends with the same statistics, and the checkpoint has them
         torch.testing.assert_close(r0[k], r1[k])
         torch.testing.assert_close(saved['model'][k], r0[k])
+    # the EMA's statistics average each rank's own between evaluations: they are averaged too (as timm's train.py)
+    e0, e1 = (torch.load(tmp_path / f'bn.ema{r}') for r in (0, 1))
+    assert e0.keys() == r0.keys()
+    for k in e0:
+        torch.testing.assert_close(e0[k], e1[k])
+        torch.testing.assert_close(saved['model_ema'][k], e0[k])
     # 2 -> 1 process: the global batch is kept by accumulating 2 micro-batches; a longer budget continues it
-    result = train(merge(_bn_cfg(data, tmp_path, epochs=2, grad_accum=2, progress='none')),
+    result = train(merge({**cfg, 'epochs': 2, 'grad_accum': 2, 'progress': 'none'}),
                    resume=tmp_path / 'run')
     assert result.global_step == 16 and result.epochs_done == 2
 

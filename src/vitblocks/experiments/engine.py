@@ -277,7 +277,7 @@ class Trainer:
 
     def save(self, name: str = 'last.pth', state: Optional[Dict[str, Any]] = None) -> None:
         if state is None:
-            sync_batchnorm_stats(self.model, 'none' if self.cfg.sync_bn else self.cfg.dist_bn)
+            self._sync_batchnorm_stats()
         state = state or self._state()  # every rank takes part (RNG gather); rank 0 writes
         if self.dist.is_main:
             save_checkpoint(state, self.run_dir / name)
@@ -478,8 +478,17 @@ class Trainer:
     def _epoch_float(self) -> float:
         return self.global_step / self.steps_per_epoch
 
+    def _sync_batchnorm_stats(self) -> None:
+        """Every rank's BatchNorm running statistics made equal (``dist_bn``) before an evaluation or a save: the
+        model's, and the EMA's, which average each rank's own statistics between two syncs (timm's train.py
+        distributes both)."""
+        mode = 'none' if self.cfg.sync_bn else self.cfg.dist_bn
+        sync_batchnorm_stats(self.model, mode)
+        if self.ema is not None:
+            sync_batchnorm_stats(self.ema.module, mode)
+
     def _evaluate(self):
-        sync_batchnorm_stats(self.model, 'none' if self.cfg.sync_bn else self.cfg.dist_bn)
+        self._sync_batchnorm_stats()
         res = evaluate(self.model, self.val_loader, self.num_classes, self.device, autocast=self.autocast(),
                        progress=self.progress.mode)
         res_ema = evaluate(self.ema.module, self.val_loader, self.num_classes, self.device, autocast=self.autocast(),
