@@ -9,8 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vitblocks.data import (BatchTransform, DataError, EpochOrder, PILLoader, ShardDataset, TensorLoader,
-                            build_dataset, build_pil_transform, dataset_mean_std, eval_split_of, match_channels)
+from vitblocks.data import (BatchTransform, DataError, EpochOrder, PILLoader, ShardDataset, TensorImageDataset,
+                            TensorLoader, build_dataset, build_pil_transform, dataset_mean_std, eval_split_of,
+                            match_channels)
 
 from _train_helpers import SHARED_DATA, add_member, png_bytes, write_shards
 
@@ -269,6 +270,25 @@ def test_tensor_pipeline_evaluates_a_center_crop_like_timm(tmp_path):
     assert torch.allclose(mid, (ds.images[:2, :, 2:6, 2:6].float() / 255 - 0.5) / 0.25)
     with pytest.raises(ValueError, match=r'crop_pct=0: expected a number in \(0, 1\]'):
         BatchTransform((3, 8, 8), mean, std, False, crop_pct=0)
+
+
+def test_tensor_pipeline_evaluates_odd_margins_and_oblong_images_like_timm(tmp_path):
+    """timm's eval transform keeps the aspect ratio (shorter side to floor(size / crop_pct)) and crops the center
+    with torchvision's rounding: an odd margin puts its extra pixel at the top/left, not at the bottom/right."""
+    rng = np.random.default_rng(0)
+    square = torch.from_numpy(rng.integers(0, 256, (4, 3, 32, 32), dtype=np.uint8))
+    oblong = torch.zeros(4, 3, 8, 16, dtype=torch.uint8)  # (B, C, H, W): bright left quarter, grey right quarter
+    oblong[..., :4], oblong[..., 12:] = 255, 128
+    mean, std = (0.5,) * 3, (0.25,) * 3
+    for images, size, crop_pct in ((square, 32, 0.9), (oblong, 8, 1.0), (oblong, 8, 0.75)):
+        ds = TensorImageDataset(images, torch.zeros(len(images)), ['a'], 'synthetic')
+        order = EpochOrder(len(ds), 4, shuffle=False)
+        xt = next(TensorLoader(ds, order, BatchTransform((3, size, size), mean, std, False, crop_pct=crop_pct,
+                                                         interpolation='bilinear')).epoch(0))[0]
+        xp = next(PILLoader(ds, order, build_pil_transform((3, size, size), mean, std, False, interpolation='bilinear',
+                                                           crop_pct=crop_pct)).epoch(0))[0]
+        assert xt.shape == xp.shape == (4, 3, size, size)
+        assert (xt - xp).abs().mean() < 0.02, (tuple(images.shape), crop_pct)  # same crop, up to resampling
 
 
 def test_pil_color_jitter_without_random_resized_crop_follows_timm():

@@ -44,8 +44,10 @@ class BatchTransform:
     Training adds, in this order: random crop of the (zero-)padded image (``crop_padding``
     pixels, the CIFAR-ResNet augmentation), horizontal / vertical flips with probability
     ``hflip`` / ``vflip``, then timm's ``RandomErasing`` (``reprob``) after normalization.
-    Evaluation with ``crop_pct < 1`` resizes to ``floor(size / crop_pct)`` and takes the center
-    ``size``, as timm's eval transform does for a given (H, W).
+    Evaluation is timm's eval transform (``transforms_imagenet_eval``, crop mode 'center'): the
+    image is resized, keeping its aspect ratio, so that it covers ``floor(size / crop_pct)`` (the
+    shorter side for a square size), then the center ``size`` is cropped (torchvision's
+    ``center_crop``, whose rounding puts an odd margin's extra pixel at the top/left).
     """
 
     def __init__(self, input_size: Sequence[int], mean: Sequence[float], std: Sequence[float], training: bool,
@@ -55,7 +57,7 @@ class BatchTransform:
         if not 0 < crop_pct <= 1:
             raise ValueError(f'crop_pct={crop_pct}: expected a number in (0, 1]')
         self.channels, self.size = int(input_size[0]), (int(input_size[1]), int(input_size[2]))
-        # evaluation resizes to this, then crops the center self.size (timm: floor(size / crop_pct))
+        # evaluation resizes to cover this, then crops the center self.size (timm: floor(size / crop_pct))
         self.resize = self.size if training else tuple(math.floor(s / crop_pct) for s in self.size)
         if len(mean) != self.channels or len(std) != self.channels:
             raise ValueError(f'mean/std need {self.channels} values for {self.channels}-channel input, '
@@ -74,11 +76,12 @@ class BatchTransform:
         if self.training and self.crop_padding:
             x = self._random_crop(x, generator)
         x = x.float()
-        if tuple(x.shape[-2:]) != self.resize:
-            x = F.interpolate(x, size=self.resize, mode=self.interpolation, align_corners=False, antialias=True)
-        if self.resize != self.size:  # center crop: (B, C, H', W') -> (B, C, H, W)
-            top, left = (self.resize[0] - self.size[0]) // 2, (self.resize[1] - self.size[1]) // 2
-            x = x[..., top:top + self.size[0], left:left + self.size[1]]
+        resized = self.size if self.training else eval_resize_shape(tuple(x.shape[-2:]), self.resize)
+        if tuple(x.shape[-2:]) != resized:
+            x = F.interpolate(x, size=resized, mode=self.interpolation, align_corners=False, antialias=True)
+        if resized != self.size:  # (B, C, H', W') -> (B, C, H, W), the center as torchvision's CenterCrop takes it
+            from torchvision.transforms.functional import center_crop
+            x = center_crop(x, list(self.size))
         if self.training and (self.hflip or self.vflip):
             b = x.shape[0]
             flips = torch.rand(2, b, generator=generator).to(x.device, non_blocking=True)  # no stream sync
@@ -101,6 +104,20 @@ class BatchTransform:
         batch = torch.arange(b, device=x.device).view(b, 1, 1)
         out = padded.permute(0, 2, 3, 1)[batch, rows.view(b, h, 1), cols.view(b, 1, w)]  # (B, H, W, C)
         return out.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
+
+
+def eval_resize_shape(image: Tuple[int, int], cover: Tuple[int, int]) -> Tuple[int, int]:
+    """(H, W) an ``image`` (H, W) is resized to before the center crop, as timm's eval transform does it:
+    a square ``cover`` is the shorter side (torchvision's ``Resize(int)``: the longer side truncated), any
+    other the smallest aspect-keeping size that covers it (timm's ``ResizeKeepRatio``: rounded)."""
+    (h, w), (ch, cw) = image, cover
+    if ch == cw:
+        short, long = min(h, w), max(h, w)
+        if short == ch:
+            return h, w
+        return (ch, int(ch * long / short)) if h <= w else (int(ch * long / short), ch)
+    ratio = min(h / ch, w / cw)
+    return round(h / ratio), round(w / ratio)
 
 
 class _ConvertMode:
