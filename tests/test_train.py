@@ -33,6 +33,7 @@ from vitblocks.experiments.config import ConfigError, parse_overrides
 from vitblocks.experiments.engine import Trainer
 from vitblocks.experiments.reproduce import run_or_reuse
 from vitblocks.experiments.runlog import read_stop_record
+from vitblocks.experiments.schedule import build_scheduler
 from vitblocks.experiments.setup import set_cuda_matmul_precision
 from vitblocks.profile import fixed_threads
 
@@ -283,9 +284,21 @@ def test_any_other_error_is_recorded_with_its_type(data, tmp_path, monkeypatch):
 
 def test_nan_hint_names_only_remedies_not_in_effect(data, tmp_path):
     cfg = tiny_cfg(data, tmp_path, warmup_epochs=0, clip_grad=None, sched='none', mixup=0, cutmix=0)
+    # sched=none has no warm-up (warmup_epochs alone is refused): the hint names the schedule that has one
     with pytest.raises(TrainingDiverged, match=r'loss is nan at step 2; stopped; no checkpoint was saved yet\. '
-                       r'Try: a lower learning rate \(now 0\.003\); warm-up \(warmup_epochs=5\); '
-                       r'gradient clipping \(clip_grad=1\.0\)$'):
+                       r'Try: a lower learning rate \(now 0\.003\); warm-up \(warmup_epochs=5 sched=step '
+                       r'decay_rate=1: the same constant lr after it\); gradient clipping \(clip_grad=1\.0\)$'):
+        train(cfg, model=NaNAfter(bad=2))
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = build_scheduler(merge(dict(epochs=100, warmup_epochs=5, sched='step', decay_rate=1)), optimizer, 10)
+    lrs = []
+    for step in range(1, 1001):
+        scheduler.step_update(num_updates=step)
+        lrs.append(optimizer.param_groups[0]['lr'])
+    assert lrs[0] < lrs[24] < 0.1 and set(lrs[50:]) == {0.1}  # warm-up over 50 steps, then constant
+    cfg = tiny_cfg(data, tmp_path / 'warm', warmup_epochs=0, clip_grad=1.0, sched='cosine', mixup=0, cutmix=0)
+    with pytest.raises(TrainingDiverged, match=r'Try: a lower learning rate \(now 0\.003\); warm-up '
+                       r'\(warmup_epochs=5\)$'):
         train(cfg, model=NaNAfter(bad=2))
 
 
@@ -367,6 +380,8 @@ def test_config_errors_say_what_to_fix():
     ({'scale': [0.5, 1.0], 'crop_padding': 4}, 'crop_padding=4 .* and scale=.* are two different crops'),
     ({'mixup': 0.8, 'batch_size': 7}, 'the batch per process must be even; batch_size=7'),
     ({'cutmix': 1.0, 'batch_size': 5}, 'batch_size=5'),
+    ({'sched': 'none', 'warmup_epochs': 5}, 'warmup_epochs=5 warms up to a schedule, and sched=none keeps the learning '
+                                            'rate constant'),
 ])
 def test_options_that_would_be_ignored_or_crash_later_are_config_errors(layer, message):
     with pytest.raises(ConfigError, match=message):

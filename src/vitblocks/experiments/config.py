@@ -256,6 +256,10 @@ def _validate(cfg: TrainConfig) -> None:
     if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size % 2:
         raise ConfigError(f'mixup/cutmix mix each image with another of its batch (timm\'s Mixup), so the batch per '
                           f'process must be even; batch_size={cfg.batch_size}')
+    if cfg.sched == 'none' and cfg.warmup_epochs:
+        raise ConfigError(f'warmup_epochs={cfg.warmup_epochs:g} warms up to a schedule, and sched=none keeps the '
+                          f'learning rate constant from the first step; set sched (cosine, or step with decay_rate=1 '
+                          f'for a constant learning rate after the warm-up), or drop warmup_epochs')
     if cfg.auto_augment:
         problem = check_auto_augment(cfg.auto_augment, random_resized_crop=cfg.scale is not None)
         if problem:

@@ -296,8 +296,9 @@ class Trainer:
         """What may keep a run from diverging, naming only what is not in effect already."""
         cfg = self.cfg
         remedies = [f'a lower learning rate (now {self.lr:g})']
-        if not cfg.warmup_epochs:
-            remedies.append('warm-up (warmup_epochs=5)')
+        if not cfg.warmup_epochs:  # sched=none has nothing to warm up to: a constant lr after the warm-up
+            remedies.append('warm-up (warmup_epochs=5)' if cfg.sched != 'none' else
+                            'warm-up (warmup_epochs=5 sched=step decay_rate=1: the same constant lr after it)')
         if cfg.clip_grad is None:
             remedies.append('gradient clipping (clip_grad=1.0)')
         if self.scaler is not None:  # float16 autocast
