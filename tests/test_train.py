@@ -382,10 +382,20 @@ def test_config_errors_say_what_to_fix():
     ({'cutmix': 1.0, 'batch_size': 5}, 'batch_size=5'),
     ({'sched': 'none', 'warmup_epochs': 5}, 'warmup_epochs=5 warms up to a schedule, and sched=none keeps the learning '
                                             'rate constant'),
+    ({'opt': 'sgd', 'opt_eps': 1e-6}, r'opt_eps=1e-06: opt=sgd has no epsilon \(timm would drop it silently\)'),
+    ({'opt': 'sgd', 'opt_betas': [0.9, 0.99]}, r'opt_betas=\[0.9, 0.99\]: opt=sgd has no betas'),
+    ({'opt': 'adan', 'opt_betas': [0.9, 0.99]}, r'opt=adan takes 3 betas; give 3 values'),  # IndexError at step 1
+    ({'opt': 'adamw', 'opt_betas': [0.9, 0.99, 0.9]}, r'opt=adamw takes 2 betas'),
 ])
 def test_options_that_would_be_ignored_or_crash_later_are_config_errors(layer, message):
     with pytest.raises(ConfigError, match=message):
         merge(layer)
+
+
+def test_optimizer_options_reach_the_optimizers_that_take_them(data, tmp_path):
+    for opt, betas in (('adamw', (0.8, 0.95)), ('adan', (0.9, 0.92, 0.98))):  # Adan has three betas
+        trainer = Trainer(tiny_cfg(data, tmp_path, name=opt, opt=opt, opt_eps=1e-6, opt_betas=list(betas)))
+        assert trainer.optimizer.defaults['betas'] == betas and trainer.optimizer.defaults['eps'] == 1e-6
 
 
 def test_training_refuses_to_evaluate_on_its_training_images(data, tmp_path):

@@ -85,8 +85,8 @@ class TrainConfig:
     lr_base_size: int = 512
     weight_decay: float = 0.05
     momentum: float = 0.9
-    opt_eps: Optional[float] = None
-    opt_betas: Optional[List[float]] = None
+    opt_eps: Optional[float] = None          # only for optimizers that have one (adam*, lamb, ...; not sgd)
+    opt_betas: Optional[List[float]] = None  # as many as the optimizer takes (2; adan 3); not for sgd
     clip_grad: Optional[float] = None
     clip_mode: str = 'norm'
     sched: str = 'cosine'           # timm scheduler name ('cosine', 'step', ...) or 'none' (constant lr)
@@ -260,10 +260,28 @@ def _validate(cfg: TrainConfig) -> None:
         raise ConfigError(f'warmup_epochs={cfg.warmup_epochs:g} warms up to a schedule, and sched=none keeps the '
                           f'learning rate constant from the first step; set sched (cosine, or step with decay_rate=1 '
                           f'for a constant learning rate after the warm-up), or drop warmup_epochs')
+    _check_optimizer_options(cfg)
     if cfg.auto_augment:
         problem = check_auto_augment(cfg.auto_augment, random_resized_crop=cfg.scale is not None)
         if problem:
             raise ConfigError(f'auto_augment={cfg.auto_augment!r}: expected {problem}')
+
+
+def _check_optimizer_options(cfg: TrainConfig) -> None:
+    """``opt_eps`` / ``opt_betas`` only where ``cfg.opt`` takes them: timm's factory drops them silently otherwise."""
+    if cfg.opt_eps is None and cfg.opt_betas is None:
+        return
+    from timm.optim import get_optimizer_info
+    info = get_optimizer_info(cfg.opt.lower())
+    if cfg.opt_eps is not None and not info.has_eps:
+        raise ConfigError(f'opt_eps={cfg.opt_eps:g}: opt={cfg.opt} has no epsilon (timm would drop it silently); '
+                          f'drop opt_eps (opt_eps=null), or pick an optimizer that has one (adamw, lamb, ...)')
+    if cfg.opt_betas is not None and not info.has_betas:
+        raise ConfigError(f'opt_betas={cfg.opt_betas}: opt={cfg.opt} has no betas (timm would drop them silently); '
+                          f'drop opt_betas (opt_betas=null), or pick an optimizer that has them (adamw, lamb, ...)')
+    if cfg.opt_betas is not None and len(cfg.opt_betas) != info.num_betas:
+        raise ConfigError(f'opt_betas={cfg.opt_betas}: opt={cfg.opt} takes {info.num_betas} betas; give '
+                          f'{info.num_betas} values')
 
 
 def save_config(cfg: TrainConfig, path: Path, header: str = '') -> None:
