@@ -39,10 +39,11 @@ config's (a note then names the overrides to pass: mean=[...] std=[...] input_si
 --reparam on it does nothing (it says so); --ema is refused (a deployed file holds one set of weights).
 Top-5 is top-k with k = min(5, classes). images/s is measured over the whole evaluation
 (data pipeline included) on the chosen device. GMACs are counted for one image. val_subset=N
-evaluates the first N images only. The data's class names must be among the checkpoint's
-(an MNIST checkpoint on CIFAR-10 is refused); --split must name a split the data has.
-KEY=VALUE takes the keys evaluation reads (model, data, preprocessing, loader); a key only training
-reads (lr=, epochs=, mixup=, amp=, threads= ...) is refused rather than ignored.
+evaluates the first N images only (a run's own val_subset, a check while training, is not used).
+The data's class names must be among the checkpoint's (an MNIST checkpoint on CIFAR-10 is
+refused); --split must name a split the data has. KEY=VALUE takes the keys evaluation reads
+(model, data, preprocessing, loader); a key only training reads (lr=, epochs=, mixup=, amp=,
+threads= ...) is refused rather than ignored.
 """
 
 
@@ -68,9 +69,9 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-# eval's defaults for the keys its flags set: above a run's config (its batch size and device were for training),
-# below KEY=VALUE overrides and the flags
-EVAL_DEFAULTS = {'batch_size': 256, 'workers': 0, 'device': 'auto'}
+# eval's defaults for the keys its flags set: above a run's config (its batch size and device were for training,
+# its val_subset a quick check while training), below KEY=VALUE overrides and the flags
+EVAL_DEFAULTS = {'batch_size': 256, 'workers': 0, 'device': 'auto', 'val_subset': None}
 FLAG_KEYS = {'data': '--data', 'batch_size': '--batch-size', 'workers': '--workers', 'device': '--device',
              'val_split': '--split'}
 
