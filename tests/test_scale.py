@@ -290,6 +290,24 @@ def test_two_processes_average_bn_stats_then_resume_on_one(data, tmp_path):
     assert result.global_step == 16 and result.epochs_done == 2
 
 
+def _train_losses(run):
+    with open(run / 'metrics.csv') as f:
+        return [(int(r['step']), float(r['loss'])) for r in csv.DictReader(f) if r['split'] == 'train']
+
+
+@pytest.mark.slow
+def test_logged_training_loss_is_the_mean_over_every_ranks_images(data, tmp_path):
+    # 2 ranks x 4 images and 1 process x 4 x grad_accum=2 see the same 8 images per step (EpochOrder): the same
+    # loss rows, not rank 0's half (1.4886 against 1.4512 at step 1 before)
+    cfg = _cfg(data, tmp_path, name='ddp', batch_size=4, max_steps=6, checkpoint_interval=3).to_dict()
+    out = _torchrun(tmp_path, {'cfg': cfg, 'dump': str(tmp_path / 'bn')})
+    assert out.returncode == 0, out.stderr[-3000:]
+    train(merge({**cfg, 'name': 'one', 'grad_accum': 2}))
+    ddp, one = _train_losses(tmp_path / 'ddp'), _train_losses(tmp_path / 'one')
+    assert [s for s, _ in ddp] == [s for s, _ in one] == list(range(1, 7))
+    torch.testing.assert_close([v for _, v in ddp], [v for _, v in one], rtol=1e-4, atol=0)
+
+
 @pytest.mark.slow
 def test_checkpoint_missing_on_one_rank_stops_every_rank(data, tmp_path):
     first = train(merge(_bn_cfg(data, tmp_path / 'rank0', max_steps=2, progress='none')))

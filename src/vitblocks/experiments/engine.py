@@ -429,8 +429,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]['lr']
         last_in_epoch = self.epoch_step == self.steps_per_epoch
         if self.global_step % cfg.log_interval == 0 or last_in_epoch or self.global_step == self.total_steps:
-            avg = (self._loss_sum / self._loss_n).item()
-            if self._any_rank(not math.isfinite(avg)):
+            avg = (self._mean_over_ranks(self._loss_sum) / self._loss_n).item()  # the same on every rank
+            if not math.isfinite(avg):
                 raise self._diverged(avg, f'steps {self.global_step - self._loss_n + 1}..{self.global_step}')
             rate = self.progress.log_line(self.global_step, self._epoch_float(), avg, lr)
             if self.log is not None:
@@ -469,9 +469,16 @@ class Trainer:
         """Mean loss of the current log window (the last logged mean right after a row)."""
         return float(self._loss_sum) / self._loss_n if self._loss_n else self._last_loss
 
+    def _mean_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` averaged over the processes (a new tensor; ``t`` itself in one process)."""
+        return all_reduce_sum(t.clone()) / self.dist.world_size if self.dist.enabled else t
+
     def _sync_window(self) -> None:
-        """Check the window's losses are finite (one device sync) and keep them for the checkpoint."""
-        if self._any_rank(self._loss_n > 0 and not math.isfinite(float(self._loss_sum))):
+        """Check the window's losses are finite (one device sync) and keep them for the checkpoint. Under DDP the
+        window's loss sum becomes the mean of the ranks' sums on every rank (rows then log the mean loss of all
+        ranks' images, and the checkpoint, which holds rank 0's window, holds everyone's)."""
+        self._loss_sum = self._mean_over_ranks(self._loss_sum)
+        if self._loss_n > 0 and not math.isfinite(float(self._loss_sum)):
             raise self._diverged(float(self._loss_sum),
                                  f'steps {self.global_step - self._loss_n + 1}..{self.global_step}')
         self._window = (float(self._loss_sum), self._loss_n)
