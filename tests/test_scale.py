@@ -101,6 +101,20 @@ def _lrs(run_dir):
         return {int(r['step']): float(r['lr']) for r in csv.DictReader(f) if r['split'] == 'train'}
 
 
+def test_resume_with_another_global_batch_drops_the_rows_of_the_killed_attempt(data, tmp_path):
+    import shutil
+    run, cfg = tmp_path / 'run', dict(batch_size=4, eval_interval=1)
+    train(_cfg(data, tmp_path, max_steps=4, **cfg))
+    shutil.copy(run / 'last.pth', tmp_path / 'step4.pth')
+    train(_cfg(data, tmp_path, max_steps=6, **cfg), resume=run)  # writes rows 5, 6 and a val row at 6 ...
+    shutil.copy(tmp_path / 'step4.pth', run / 'last.pth')  # ... and is killed: its last checkpoint is step 4's
+    train(_cfg(data, tmp_path, max_steps=5, grad_accum=2, **cfg), resume=run)  # step 4 of batch 4 = step 2 of 8
+    with open(run / 'metrics.csv') as f:
+        rows = [(int(r['step']), r['split']) for r in csv.DictReader(f)]
+    assert rows == [(1, 'train'), (2, 'train'), (3, 'train'), (4, 'train'), (4, 'val'),
+                    (3, 'train'), (4, 'train'), (5, 'train'), (5, 'val')]
+
+
 def test_resume_with_more_epochs_follows_the_longer_schedule(data, tmp_path):
     kw = dict(sched='cosine', min_lr=0.0, warmup_epochs=0)
     first = train(_cfg(data, tmp_path, epochs=1, **kw))

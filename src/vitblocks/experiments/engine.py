@@ -231,6 +231,8 @@ class Trainer:
         self.elapsed_before = ckpt.get('elapsed_s', 0.0)
         self._window = tuple(ckpt.get('log_window', (0.0, 0)))
         states = ckpt['rng']
+        if self.log is not None:  # rows a killed attempt wrote after this checkpoint are recomputed (saved steps)
+            self.log.truncate_after(self.global_step)
         saved_batch = ckpt.get('global_batch', self.global_batch)
         if saved_batch != self.global_batch:
             # another number of processes (or accumulation): keep the position in samples seen. Step b of
@@ -248,8 +250,6 @@ class Trainer:
         # the schedule's shape comes from this run's config (a changed epochs count lengthens it, instead of
         # the added epochs running at min_lr); its state (the step, plateau's counters) from the checkpoint
         restore_scheduler(self.scheduler, ckpt.get('scheduler'), self.global_step)
-        if self.log is not None and saved_batch == self.global_batch:
-            self.log.truncate_after(self.global_step)
         if self.cfg.streaming and self.epoch_step:
             self._notes.append(f'streaming: resumed at step {self.epoch_step} of epoch {self.epoch}, which restarts '
                                f'from the beginning of its stream for its {self.steps_per_epoch - self.epoch_step} '
