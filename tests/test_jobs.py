@@ -114,6 +114,18 @@ def test_run_to_pause_is_the_run_furthest_from_its_end_once_the_runs_would_miss_
     assert time_limit_window(1560) == 60 and time_limit_window(100) == 5 and time_limit_window(10) == 1
 
 
+def test_a_run_paused_while_it_starts_is_paused_not_failed(tmp_path):
+    # SIGINT before a run sets its handler (importing torch, decoding its data: seconds on a loaded machine)
+    # ends it through Python's KeyboardInterrupt, exit -2; it had not trained, and a rerun resumes it
+    starting = tmp_path / 'starting.py'
+    starting.write_text('import time\ntime.sleep(60)\n')
+    job = Job('slow', [sys.executable, str(starting)], tmp_path / 'slow.log', tmp_path / 'slow')
+    lines = []
+    report = run_jobs([job], parallel=1, threads=1, time_limit=0.5, window=0.1, poll=0.05, echo=lines.append)
+    assert report.paused == [job] and not report.failed, lines
+    assert 'paused slow (stopped while starting, before its first step)' in lines
+
+
 def test_time_limit_pauses_the_longest_run_so_that_the_others_finish(fake_jobs):
     # 1.5 s, 3 s and 12 s of device time alone: 16.5 s in all. A paused run takes 1.5 s (3 windows) to save
     # and stop: until it has, the pace of the others still has it beside them, and no other run is judged

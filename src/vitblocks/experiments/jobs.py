@@ -198,9 +198,12 @@ class _Pool:
             self.running.remove(r)
             self.next_decision = self.clock() + self.window  # judge the others on a pace without it
             code = r.proc.returncode
-            if r.pausing and code == PAUSED_EXIT:
+            if r.pausing and code in (PAUSED_EXIT, -signal.SIGINT):
+                # -SIGINT: Python's own handler stopped it before the run set its handler (still importing or
+                # decoding its data): it had not trained, and its last checkpoint, if any, is untouched
                 self.report.paused.append(r.job)
-                self.echo(f'paused {r.job.name}')
+                self.echo(f'paused {r.job.name}' + (' (stopped while starting, before its first step)'
+                                                    if code != PAUSED_EXIT else ''))
                 continue
             self.echo(f'finished {r.job.name}: exit {code}')
             if code != 0:
