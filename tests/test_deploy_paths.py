@@ -182,3 +182,17 @@ def test_a_self_contained_onnx_export_removes_the_external_data_of_the_file_it_r
     assert (tmp_path / 'm.onnx.data').is_file()
     export_onnx(model, path)  # small: one self-contained file
     assert sorted(p.name for p in tmp_path.iterdir()) == ['m.onnx']
+
+
+def test_a_model_without_a_deploy_option_is_rebuilt_with_the_recorded_block_cfg(tmp_path):
+    """AFBO has no deploy form to build: load_deployed builds the training form and re-parameterizes it. It
+    dropped the recorded block config there, so a file saved with act_layer=gelu loaded silently into AFBO's
+    default SiLU (same shapes: a strict load passed, the outputs differed)."""
+    torch.manual_seed(0)
+    model = timm.create_model('bench_afbo_vit_tiny_patch4_32', block_cfg={'act_layer': 'gelu'}, depth=1).eval()
+    path = save_deployed(model, tmp_path / 'afbo.safetensors', block_cfg={'act_layer': 'gelu'})
+    loaded = load_deployed(None, path, depth=1)
+    assert isinstance(loaded.blocks[0].mlp.act, torch.nn.GELU)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))

@@ -213,8 +213,8 @@ def is_deployed_file(path: PathLike) -> bool:
 
 def _build_deployed(name: str, block_cfg: Optional[Dict[str, Any]], **kwargs) -> nn.Module:
     """``name`` in deploy form: a vitblocks model built directly with ``block_cfg['deploy'] = True``
-    (no training-form weights); a timm model, or a vitblocks method without a deploy option,
-    built and re-parameterized."""
+    (no training-form weights); a timm model, or a vitblocks method without a deploy option (built with
+    ``block_cfg``), built and re-parameterized."""
     from ..models import list_models, resolve_model_name
     try:
         name = resolve_model_name(name)
@@ -227,7 +227,10 @@ def _build_deployed(name: str, block_cfg: Optional[Dict[str, Any]], **kwargs) ->
             except (TypeError, ValueError) as e:  # a method without a deploy option (MABViT raises ValueError)
                 if 'deploy' not in str(e):
                     raise
-        elif block_cfg:
+            # no deploy option: the training form with the same block config, re-parameterized
+            return _reparameterize(timm.create_model(name, **({'block_cfg': block_cfg} if block_cfg else {}),
+                                                     **kwargs), inplace=True)
+        if block_cfg:
             raise DeployedCheckpointError(f'block_cfg applies to vitblocks models only; {name} is a timm model')
         return _reparameterize(timm.create_model(name, **kwargs), inplace=True)
     except (TypeError, ValueError) as e:  # e.g. a recorded size or a block config the builder does not take
