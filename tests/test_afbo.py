@@ -302,6 +302,20 @@ def test_inference_path_is_cpu_only(monkeypatch):
     assert calls == ['cpu']
 
 
+
+def test_cpu_autocast_runs_the_reference_path():
+    """The inference path's channel maps and fc2 write with out= into fp32 buffers, which autocast does not cast:
+    under CPU bf16 autocast AFBO ran them in fp32 (vitblocks bench --amp bf16 timed fp32 AFBO against a bf16
+    baseline). Under autocast the reference path runs, in the dtype asked for."""
+    layout, x = _layer_input('tokens+prefix')
+    layer = _randomize(AFBO(D, HID, layout=layout)).eval()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        with torch.inference_mode():
+            out = layer(x)
+        ref = layer(x)  # autograd on: the reference path
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
 def test_channels_first_equals_tokens():
     """The same layer on a PoolFormer-style (B, C, H, W) map and on the equivalent tokens."""
     tokens_layer = _randomize(AFBO(D, HID, grid_size=(4, 5)))

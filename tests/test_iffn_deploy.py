@@ -246,6 +246,21 @@ def test_inference_path_is_cpu_only(monkeypatch):
     assert calls == ['cpu']
 
 
+
+def test_cpu_autocast_runs_the_reference_path():
+    """Under CPU autocast the deployed layer runs its reference path, whose F.linear / conv2d autocast casts.
+    The inference path's fc2 is an addmm with out= into an fp32 buffer, which autocast does not cast: a sliced
+    batch under bf16 autocast ran fc2 in fp32 and returned fp32 (vitblocks bench --amp bf16 timed fp32 there)."""
+    deployed = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1), std=0.2, batchnorm=True).eval().fuse()
+    deployed.inference_chunk_bytes = 1  # one image per slice, as a large batch is sliced
+    x = torch.randn(3, 13, 16)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        with torch.inference_mode():
+            out = deployed(x)
+        ref = deployed(x)  # autograd on: the reference path
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
 def test_deploy_form_errors_like_training_form():
     deployed = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1, deploy=True).eval()
     with torch.inference_mode(), pytest.raises(ValueError, match='1 prefix tokens \\+ a 3x4 grid = 13'):

@@ -60,7 +60,7 @@ from torch import nn
 
 from .activations import act_fn_, activation_name, create_act
 from .channel_maps import create_channel_map
-from .layout import TokenLayout, batch_slice_size, check_grid, merge_tokens
+from .layout import TokenLayout, autocasting, batch_slice_size, check_grid, merge_tokens
 from .registry import register_ffn
 
 __all__ = ['AFBO', 'SpatialAttention', 'create_spatial_op', 'AFBO_VARIANTS', 'AFBO_VARIANT_ALIASES', 'SPATIAL_OPS',
@@ -144,11 +144,11 @@ class AFBO(nn.Module):
         grid_size, num_prefix_tokens, channels_first, layout: where the 2-D grid is
             (:class:`~vitblocks.layers.TokenLayout`); surgery sets and updates it.
 
-    On the CPU in eval mode without autograd (``torch.inference_mode`` / ``no_grad``), the default
+    On the CPU in eval mode without autograd (``torch.inference_mode`` / ``no_grad``) or autocast, the default
     structure ('cm' or 'cm_sm' order with depthwise conv, no norm) runs :meth:`_forward_inference`:
-    same numbers, fewer memory passes. Other devices run the reference path: the inference path's
-    batch slices and ``out=`` matmuls serve the CPU's caches, cost kernel launches on a GPU and are not
-    cast by autocast (docs/gpu_speed.md).
+    same numbers, fewer memory passes. Other devices, and autocast, run the reference path: the inference
+    path's batch slices and ``out=`` matmuls serve the CPU's caches, cost kernel launches on a GPU and are
+    not cast by autocast (docs/gpu_speed.md).
     """
 
     # Inference path: run the batch in slices so that each Md-wide intermediate holds about this many
@@ -300,7 +300,8 @@ class AFBO(nn.Module):
         # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below,
         # and so does torch.export: the inference path's Python loop over batch slices would fix the batch size
         if not torch.jit.is_scripting():
-            if (x.device.type == 'cpu' and not (self.training or torch.is_grad_enabled())
+            # not under autocast either: the inference path's out= matmuls are not cast (they would run in fp32)
+            if (x.device.type == 'cpu' and not (self.training or torch.is_grad_enabled() or autocasting(x))
                     and not torch.compiler.is_exporting() and self._has_inference_path()):
                 return self._forward_inference(x)
         cf = self.layout.channels_first

@@ -22,12 +22,15 @@ the input, with the groups as the batch; no dense matrix with zeros is ever buil
 forward, and there is no Python loop over groups. Under autograd the result is laid out with
 one copy; without autograd (``torch.no_grad`` / ``inference_mode``) the matmul writes straight
 into the ``(tokens, Md)`` output through ``out=``, so a map costs what its MACs cost
-(``benchmarks/afbo_latency.py`` measures it against a dense matmul of equal MACs).
+(``benchmarks/afbo_latency.py`` measures it against a dense matmul of equal MACs). Under autocast
+the autograd form runs: autocast does not cast a call with ``out=``, which would stay in fp32.
 """
 from typing import List, Optional, Type
 
 import torch
 from torch import nn
+
+from .layout import autocasting
 
 __all__ = ['ChannelMap', 'DenseChannelMap', 'GroupedChannelMap', 'GroupedCrossChannelMap',
            'OverlappedCycleChannelMap', 'CHANNEL_MAPS', 'create_channel_map', 'map_cost', 'valid_group_numbers',
@@ -117,7 +120,7 @@ class ChannelMap(nn.Module):
         self.check_width(x)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)  # (..., d) -> (T, d); a view for contiguous input
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or autocasting(rows):
             y = self._matmul_autograd(rows)
         else:
             y = self.forward_into(rows, rows.new_empty(rows.shape[0], self.out_features))

@@ -26,7 +26,7 @@ from timm.layers import LayerNorm, LayerNorm2d, to_2tuple
 from torch import nn
 
 from .activations import ConcatArbitraryActivations, act_fn, act_fn_, activation_name
-from .layout import TokenLayout, batch_slice_size, check_grid, split_tokens
+from .layout import TokenLayout, autocasting, batch_slice_size, check_grid, split_tokens
 from .rational_gelu import gelu_rational
 from .registry import register_ffn
 
@@ -140,8 +140,8 @@ class IFFN(nn.Module):
         deploy: build the inference form directly (no BatchNorm; the depthwise conv carries
             the folded BN), so checkpoints saved after :meth:`fuse` load into it.
 
-    In the deploy form, inference on the CPU (eval mode, autograd off, e.g. ``torch.inference_mode``)
-    takes :meth:`_forward_inference`; training, autograd and other devices use the readable path below.
+    In the deploy form, inference on the CPU (eval mode, autograd off, e.g. ``torch.inference_mode``, no autocast)
+    takes :meth:`_forward_inference`; training, autograd, autocast and other devices use the readable path below.
     The inference path is a CPU path: its batch slices keep the wide hidden features in the CPU's caches,
     and its ``out=`` matmuls are not cast by autocast; on a GPU they cost kernel launches and fp32 math
     (docs/gpu_speed.md), where the readable path is a few large, autocast-aware kernels.
@@ -238,9 +238,10 @@ class IFFN(nn.Module):
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
         self.layout.set_grid(feat_size)
-        # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below
+        # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below.
+        # Not under autocast: its out= matmuls are not cast (fc2 would run in fp32 under --amp bf16)
         if (not torch.jit.is_scripting() and self.deploy and x.device.type == 'cpu'
-                and not (self.training or torch.is_grad_enabled())):
+                and not (self.training or torch.is_grad_enabled() or autocasting(x))):
             return self._forward_inference(x)
         x = self.fc1(x)
         x = self.act(x)

@@ -155,6 +155,14 @@ def apply_spatial(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, l
     return layout.from_map(fn(fmap), prefix, x.ndim)
 
 
+def autocasting(t: torch.Tensor) -> bool:
+    """Whether autocast is on for ``t``'s device: a matmul with ``out=`` would bypass it (autocast casts no
+    call that passes ``out=``, so it would run in fp32 under bf16 autocast). False in TorchScript."""
+    if not torch.jit.is_scripting():
+        return torch.amp.is_autocast_available(t.device.type) and torch.is_autocast_enabled(t.device.type)
+    return False
+
+
 def batch_slice_size(batch: int, per_sample_bytes: int, budget_bytes: int) -> Optional[int]:
     """Samples per slice of an inference path that runs the batch in slices whose wide intermediates
     hold about ``budget_bytes``; ``None`` for the whole batch at once: no budget, a batch that fits,
