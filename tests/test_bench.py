@@ -219,6 +219,17 @@ def test_models_get_their_mode_and_gradients_back():
     assert evaluated[0].bias.grad is None
 
 
+def test_a_train_benchmark_leaves_the_batchnorm_statistics_alone():
+    """Train-mode forwards on the random batch update BatchNorm's running statistics; a trained model timed
+    with train=True kept them (its eval outputs changed after a benchmark)."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2)).eval()
+    with torch.no_grad():
+        model[1].running_mean.fill_(3.), model[1].running_var.fill_(5.)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    benchmark_models({'m': model}, batch_size=2, input_size=(1, 2, 2), warmup=1, repeats=2, train=True)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), model.state_dict()
+
+
 def test_cpu_runs_count_the_fresh_pages_of_each_timed_batch(monkeypatch):
     """Each timed CPU batch records the minor page faults around its step (not around warm-up)."""
     counter = iter(range(0, 10_000, 100))  # every read of the fault counter: 100 more than the last

@@ -226,9 +226,13 @@ def amp_kernel_note(device: Union[str, torch.device], amp: Optional[str]) -> Opt
 
 @contextmanager
 def _restored_state(models: Dict[str, nn.Module], train: bool):
-    """Give each model back its train/eval mode, and with ``train`` its parameters' ``.grad``, on exit."""
+    """Give each model back its train/eval mode, and with ``train`` its parameters' ``.grad`` and its buffers
+    (train-mode forwards update BatchNorm running statistics from the random batch), on exit."""
     modes = {name: m.training for name, m in models.items()}
     grads = {p: p.grad for m in models.values() for p in m.parameters()} if train else {}
+    # by name: moving a model to `device` replaces its buffer tensors
+    buffers = {(name, b): t.detach().clone() for name, m in models.items() for b, t in m.named_buffers()} \
+        if train else {}
     for p in grads:
         p.grad = None  # kept aside: backward would accumulate into them
     try:
@@ -238,6 +242,11 @@ def _restored_state(models: Dict[str, nn.Module], train: bool):
             m.train(modes[name])
         for p, g in grads.items():
             p.grad = g if g is None or g.device == p.device else g.to(p.device)  # the model moved to `device`
+        with torch.no_grad():
+            for name, m in models.items():
+                for b, t in m.named_buffers():
+                    if (name, b) in buffers:
+                        t.copy_(buffers[name, b])
 
 
 def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_size=(3, 224, 224),
@@ -261,7 +270,8 @@ def benchmark_models(models: Dict[str, nn.Module], batch_size: int = 32, input_s
             compiles, is timed on its own (``LatencyResult.compile_s``) and precedes ``warmup``.
 
     Each model is moved to ``device`` (and to channels-last with ``channels_last``); its train/eval
-    mode and, with ``train``, its parameters' ``.grad`` are restored afterwards.
+    mode and, with ``train``, its parameters' ``.grad`` and its buffers (BatchNorm running statistics,
+    which train-mode forwards on the random batch update) are restored afterwards.
 
     Raises:
         BenchOptionError: options :func:`check_bench_options` rejects.
