@@ -34,7 +34,7 @@ examples:
   vitblocks compare                              # every table of every paper
   vitblocks compare --paper iffn --tables 1,2    # IFFN Tables 1 and 2 only
   vitblocks compare --paper repa --models deit   # RePa rows before and after re-parameterization
-  vitblocks compare --tables 1 --format md > docs/iffn_table1.md
+  vitblocks compare --paper iffn --tables 1 --format md > iffn_table1.md
 
 A row counts as reproduced when all of its published complexity numbers (params, GMACs) are
 within 1% of ours. Rows outside 1% whose numbers still round to the published ones at the
