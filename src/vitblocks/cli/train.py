@@ -17,7 +17,7 @@ examples:
       model_kwargs='{img_size: 28, patch_size: 4, in_chans: 1}'
   vitblocks train --model iffn_deit_tiny_patch16_224 --data /path/to/imagenet --config deit
   vitblocks train --resume runs/vit_tiny_patch16_224-mnist-ninformer          # after a crash or kill
-  vitblocks train --model vit_tiny_patch16_224 --data /path/to/cifar10 --config ninformer \
+  vitblocks train --model vit_tiny_patch16_224 --data /path/to/cifar10 --config ninformer \\
       --initial-checkpoint runs/pretrained/best.pth --num-classes 10               # fine-tune
   torchrun --nproc_per_node 2 $(which vitblocks) train --model ... --data ... --config ninformer
 
