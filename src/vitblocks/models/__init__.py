@@ -3,7 +3,7 @@ import timm
 
 from . import iffn  # noqa: F401  (registers the IFFN models)
 from . import afbo  # noqa: F401  (registers the AFBO FFNs, their counterparts and the AFBO models)
-from . import lvvit  # noqa: F401  (registers the LV-ViT backbones lvvit_s, lvvit_m with timm)
+from . import lvvit  # noqa: F401  (registers the LV-ViT backbones lvvit_s, lvvit_m, lvvit_l with timm)
 from . import lvt  # noqa: F401  (registers LVT with timm, and iffn_lvt, afbo_lvt)
 from . import scheme  # noqa: F401  (registers the SCHEME models of AFBO Table 3)
 from . import cyclemlp  # noqa: F401  (registers CycleMLP-B1..B5 with timm)

@@ -24,8 +24,11 @@ and ``swap_residual_ffn`` (RePa) moves the fixed ``1/skip_lam`` of the FFN branc
 
 | model | width | depth | heads | params | GMACs (no attn matmuls) | with attn matmuls |
 | --- | ---: | ---: | ---: | ---: | ---: | ---: |
-| ``lvvit_s`` | 384 | 16 | 6 | 26.15 M | 6.09 | 6.57 |
-| ``lvvit_m`` | 512 | 20 | 8 | 55.82 M | 11.88 | 12.68 |
+| ``lvvit_s`` | 384 | 16 | 6 | 26.15 M | 6.07 | 6.55 |
+| ``lvvit_m`` | 512 | 20 | 8 | 55.83 M | 11.88 | 12.68 |
+
+(``count_macs`` at 224 px, norms not counted; RePa's Table 1 counter, norms at 5 MACs per
+element without the attention matmuls, gives 6.10 and 11.92.)
 """
 from functools import partial
 from typing import Optional
