@@ -15,7 +15,7 @@ from torchvision.models.feature_extraction import create_feature_extractor, get_
 
 import vitblocks
 
-ALL = vitblocks.list_models() + vitblocks.models.list_backbones()  # + the backbones vitblocks adds to timm (LV-ViT, LVT)
+ALL = vitblocks.list_models() + vitblocks.models.list_backbones()  # + the backbones vitblocks adds (LV-ViT, LVT, ...)
 # the default run: small models that still cover a swapped FFN with grid tracking (LocalViT), the
 # gating unit and Mixer blocks in a ViT. test_dense.py runs features_only / forward_intermediates
 # for the 224 px families (ViT/DeiT, Swin, PoolFormer, PVTv2) and a detector by default.
