@@ -42,6 +42,7 @@ def register_ffn(name: str, inherits: Tuple[str, ...] = ()):
 
 
 def list_ffns():
+    """Names of the registered FFNs (``swap_ffn(model, name)`` / ``create_ffn(name, ...)``), sorted."""
     return sorted(FFN_REGISTRY)
 
 
