@@ -56,7 +56,8 @@ def add_parser(subparsers) -> None:
         a.add_argument('models', nargs='+', metavar='MODEL', help='timm or vitblocks model name(s)')
         a.add_argument('--checkpoint', '--weights', nargs='+', metavar='CKPT', dest='checkpoints',
                        help="weights, one per MODEL ('-' for random init)")
-        a.add_argument('--data', metavar='DIR', help='real images: dataset folder, shards or NAME (evaluation split)')
+        a.add_argument('--data', metavar='DIR', help='real images: dataset folder, shards or NAME (evaluation split)'
+                       if name != 'breakdown' else 'refused: breakdown times random inputs of each model\'s input size')
         a.add_argument('--num-images', type=positive_int, metavar='N', default=analyze_run.DEFAULT_IMAGES[name],
                        help=f'images to run on (default {analyze_run.DEFAULT_IMAGES[name]})')
         a.add_argument('--input-size', nargs=3, type=positive_int, metavar=('C', 'H', 'W'),
