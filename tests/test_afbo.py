@@ -217,6 +217,21 @@ def test_model_group_numbers_follow_the_chosen_maps():
         timm.create_model('afbo_deit_tiny_patch16_224', block_cfg={'variant': 'scfbo_gc', 'occm_groups': 3})
 
 
+@pytest.mark.parametrize('name', ['afbo_lvt', 'afbo_edgevit_xxs'])
+def test_model_group_numbers_follow_the_chosen_maps_on_added_backbones(name):
+    """docs/afbo.md: `block_cfg={'variant': 'scfbo_gc'}` and `{'order': 'sm'}` work on every afbo_* model,
+    LVT's (its own build: stage MLPs and class-attention blocks) and the other added backbones' included."""
+    with torch.device('meta'):
+        gc = timm.create_model(name, block_cfg={'variant': 'scfbo_gc'})
+        afbo_s = timm.create_model(name, block_cfg={'order': 'sm'})
+    afbos = [m for m in gc.modules() if isinstance(m, AFBO)]
+    assert afbos and all(m.map_kinds == ('gccm', 'gccm') for m in afbos)
+    assert any(m.order == 'sm' for m in afbo_s.modules() if isinstance(m, AFBO))
+    with pytest.raises(ValueError, match='occm_groups=3'):
+        with torch.device('meta'):
+            timm.create_model(name, block_cfg={'variant': 'scfbo_gc', 'occm_groups': 3})
+
+
 def test_swin_base_keeps_occm_cross_group_and_table2_params():
     """G2 = 2 would make OCCM's window (G2 - 1 groups) the block-diagonal map of Eq. 5; G1 = G2 = 4
     (Table 7's last row) lands within 1% of Table 2's 84.7 M."""

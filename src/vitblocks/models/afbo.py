@@ -73,12 +73,17 @@ AFBO_TABLE2_BASES = (
 )
 
 
-def _swap_afbo(model, cfg, model_groups):
-    # the model's own group numbers, where the user's block_cfg chose maps that do not read them, are dropped
+def drop_unread_groups(cfg, model_groups):
+    """``cfg`` without the model's own group numbers (``model_groups``) that the maps it chose do not read
+    (``variant='scfbo_gc'`` has no OCCM, ``order='sm'`` no maps), so such a block_cfg works on every AFBO
+    model; a group number the user set to another value stays, and AFBO refuses it."""
     used = AFBO.group_args_used(cfg.get('variant'), cfg.get('left_map'), cfg.get('right_map'),
                                 cfg.get('order', 'cm_sm'))
-    cfg = {k: v for k, v in cfg.items() if not (k in model_groups and k not in used and v == model_groups[k])}
-    return swap_ffn(model, 'afbo', **cfg)
+    return {k: v for k, v in cfg.items() if not (k in model_groups and k not in used and v == model_groups[k])}
+
+
+def _swap_afbo(model, cfg, model_groups):
+    return swap_ffn(model, 'afbo', **drop_unread_groups(cfg, model_groups))
 
 
 for _base, _g1, _g2 in AFBO_TABLE2_BASES:

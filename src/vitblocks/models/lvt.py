@@ -355,11 +355,16 @@ def swap_class_block_ffns(model: LVT, name: str, **cfg) -> int:
 _CHANNEL_ONLY = {'iffn': dict(spatial_part=False), 'afbo': dict(order='cm', spatial=None)}
 
 
-def _swap_everywhere(name: str):
+def _swap_everywhere(name: str, model_groups: Optional[Dict[str, int]] = None):
     def build(model: LVT, cfg):
         from .surgery import swap_ffn  # surgery knows LVT, so it imports this module
-        swap_ffn(model, name, **cfg)
-        swap_class_block_ffns(model, name, **{**cfg, **_CHANNEL_ONLY[name]})
+        stage_cfg, class_cfg = cfg, {**cfg, **_CHANNEL_ONLY[name]}
+        if model_groups:  # AFBO: drop our G1/G2 where the chosen maps do not read them, as models/afbo.py does
+            from .afbo import drop_unread_groups
+            stage_cfg = drop_unread_groups(stage_cfg, model_groups)
+            class_cfg = drop_unread_groups(class_cfg, model_groups)
+        swap_ffn(model, name, **stage_cfg)
+        swap_class_block_ffns(model, name, **class_cfg)
     return build
 
 
@@ -369,7 +374,7 @@ def _register_variants():
         name='iffn_lvt', method='iffn', base='lvt', build=_swap_everywhere('iffn'), cfg=dict(kernel_size=5),
         description='IFFN Table 1 LVT + IFFN* (5x5 depthwise; class-attention blocks: channel part only)'))
     register_variant(VariantSpec(
-        name='afbo_lvt', method='afbo', base='lvt', build=_swap_everywhere('afbo'),
+        name='afbo_lvt', method='afbo', base='lvt', build=_swap_everywhere('afbo', dict(gccm_groups=2, occm_groups=2)),
         cfg=dict(gccm_groups=2, occm_groups=2),
         description='AFBO Table 2 LVT + AFBO (G1=2, G2=2: 3 divides no LVT width; class-attention blocks: '
                     'channel mapping only)'))
