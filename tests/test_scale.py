@@ -253,6 +253,14 @@ if kill and os.environ['RANK'] == '1' and not restarted:
         if trainer.global_step == kill:
             os.kill(os.getpid(), signal.SIGKILL)
     trainer.after_step = after_step
+signal_at = spec.get('signal_at_step')
+if signal_at:  # SIGTERM to every rank after that step's update, as a cluster preempting the job sends it
+    inner = trainer.after_step
+    def signal_then_step(loss):
+        if trainer.global_step == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        inner(loss)
+    trainer.after_step = signal_then_step
 result = trainer.fit()
 bn = {{k: v for k, v in trainer.model.state_dict().items() if 'running' in k}}
 torch.save(bn, spec['dump'] + '.rank' + os.environ['RANK'])
@@ -320,6 +328,40 @@ def test_logged_training_loss_is_the_mean_over_every_ranks_images(data, tmp_path
     ddp, one = _train_losses(tmp_path / 'ddp'), _train_losses(tmp_path / 'one')
     assert [s for s, _ in ddp] == [s for s, _ in one] == list(range(1, 7))
     torch.testing.assert_close([v for _, v in ddp], [v for _, v in one], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_rank_stops_at_the_next_step_and_resumes_on_one_process(data, tmp_path):
+    # log_interval 1000: before, ranks agreed on a stop only at log intervals, so this run trained on to its end
+    # (a real run: up to log_interval steps, past torchrun's 30 s and SLURM's grace period, then SIGKILL)
+    cfg = _cfg(data, tmp_path, name='ddp', batch_size=4, epochs=2, log_interval=1000).to_dict()
+    out = _torchrun(tmp_path, {'cfg': cfg, 'dump': str(tmp_path / 'bn'), 'signal_at_step': 3})
+    assert out.returncode != 0
+    assert out.stderr.count('TrainingInterrupted: SIGTERM at step 4: saved') == 2, out.stderr[-3000:]  # both ranks
+    assert load_checkpoint(tmp_path / 'ddp' / 'last.pth')['global_step'] == 4
+    # resumed on one process with the global batch kept: the rows of an uninterrupted one-process run
+    resumed = train(merge({**cfg, 'grad_accum': 2}), resume=tmp_path / 'ddp')
+    train(merge({**cfg, 'name': 'one', 'grad_accum': 2}))
+    assert resumed.global_step == 16
+    ddp, one = _train_losses(tmp_path / 'ddp'), _train_losses(tmp_path / 'one')
+    assert [s for s, _ in ddp] == [s for s, _ in one] == [8, 16]
+    torch.testing.assert_close([v for _, v in ddp], [v for _, v in one], rtol=1e-4, atol=0)
+
+
+def test_under_ddp_a_stop_is_agreed_one_step_after_the_signal_whatever_the_log_interval():
+    # the DDP path without a process group (the sum over ranks is then this rank's flag)
+    from types import SimpleNamespace
+    from vitblocks.experiments.distributed import DistInfo
+    from vitblocks.experiments.engine import Trainer
+    fake = SimpleNamespace(dist=DistInfo(0, 2), device=torch.device('cpu'), cfg=SimpleNamespace(log_interval=50),
+                           global_step=7, _stop=SimpleNamespace(signal_name=None), _stop_vote=None)
+    assert not Trainer._stop_requested(fake)
+    fake._stop.signal_name = 'SIGTERM'
+    assert not Trainer._stop_requested(fake)  # this step's votes are in flight: read at the next step
+    fake.global_step += 1
+    assert Trainer._stop_requested(fake)  # step 8 (before: only at step 50, the next log interval)
+    fake._stop_vote = None
+    assert Trainer._stop_requested(fake, now=True) and fake._stop_vote is None  # after an evaluation: at once
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from timm.utils import distribute_bn
 from torch.distributed.constants import default_pg_timeout
 
-__all__ = ['DistInfo', 'init_distributed', 'attempt_store', 'agree_on_attempt', 'all_reduce_sum', 'barrier',
+__all__ = ['DistInfo', 'init_distributed', 'attempt_store', 'agree_on_attempt', 'all_reduce_sum', 'PendingSum',
+           'all_reduce_sum_async', 'barrier',
            'broadcast_object', 'gather_object', 'raise_on_every_rank', 'sync_batchnorm_stats', 'shutdown']
 
 
@@ -108,6 +109,26 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+class PendingSum:
+    """A sum over the ranks started by ``all_reduce_sum_async``; ``result()`` waits for it (a number)."""
+
+    def __init__(self, t: torch.Tensor, work: Optional[Any] = None):
+        self._t, self._work = t, work
+
+    def result(self) -> float:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return float(self._t.sum())
+
+
+def all_reduce_sum_async(t: torch.Tensor) -> PendingSum:
+    """Start summing ``t`` over the ranks without waiting for it (``t`` itself in one process)."""
+    if dist.is_available() and dist.is_initialized():
+        return PendingSum(t, dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
+    return PendingSum(t)
 
 
 def barrier() -> None:

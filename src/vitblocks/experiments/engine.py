@@ -28,7 +28,8 @@ from ..data import derive_seed
 from ..profile import count_params
 from .checkpoint import CheckpointError, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError, TrainConfig, check_resume_config, save_config
-from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, init_distributed, sync_batchnorm_stats
+from .distributed import (DistInfo, all_reduce_sum, all_reduce_sum_async, barrier, broadcast_object, init_distributed,
+                          sync_batchnorm_stats)
 from .evaluate import EvalResult, evaluate
 from .interrupt import StopRequest, TrainingInterrupted
 from .resume import auto_resume_checkpoint, load_on_every_rank
@@ -171,6 +172,7 @@ class Trainer:
         self.elapsed_before = 0.0
         self._last_loss = float('nan')
         self._window = (0.0, 0)  # (loss sum, steps) since the last metrics row
+        self._stop_vote = None  # under DDP: the sum over the ranks of the last step's stop flag, still in flight
         self.run_dir = self._make_run_dir(run_dir, resume, ckpt)
         self.log = MetricsLog(self.run_dir, cfg.tensorboard, fresh=ckpt is None) if self.dist.is_main else None
         if ckpt is not None:
@@ -364,6 +366,9 @@ class Trainer:
                     final, final_ema = self._run_epoch()
             if final is None:  # stopped by max_steps right after an evaluation, or resumed at the very end
                 final, final_ema = self._evaluate()
+            if self._stop_vote is not None:  # every rank started it: let it finish before the group is torn down
+                self._stop_vote.result()
+                self._stop_vote = None
         except Exception as e:
             if self.dist.is_main:
                 self._record_stop(e)
@@ -419,6 +424,9 @@ class Trainer:
             # per-update schedules ignore this; plateau counts a completed epoch's top-1 (None: not evaluated)
             self.scheduler.step(self.epoch, evaluated[0].top1 if evaluated[0] is not None else None)
         self.save()
+        # a signal that came during the evaluation or the save stops here, not a step later (the run, if not done)
+        if self.epoch < cfg.epochs and self.global_step < self.total_steps and self._stop_requested(now=True):
+            raise self._interrupted()
         return evaluated
 
     def after_step(self, loss: torch.Tensor) -> None:
@@ -444,19 +452,34 @@ class Trainer:
             self.progress.end_epoch()
             self._sync_window()
             self.save()
-            raise TrainingInterrupted(self._stop.signal_name or 'a signal to another process', self.global_step,
-                                      self.run_dir)
+            raise self._interrupted()
         if cfg.checkpoint_interval and self.global_step % cfg.checkpoint_interval == 0 and not last_in_epoch:
             self._sync_window()
             self.save()
 
-    def _stop_requested(self) -> bool:
-        """A SIGINT/SIGTERM arrived (under DDP: on any rank, checked at log intervals only, to avoid a
-        collective per step)."""
+    def _interrupted(self) -> TrainingInterrupted:
+        return TrainingInterrupted(self._stop.signal_name or 'a signal to another process', self.global_step,
+                                   self.run_dir)
+
+    def _stop_requested(self, now: bool = False) -> bool:
+        """A SIGINT/SIGTERM arrived, on any rank under DDP. Checked after every optimizer step: a cluster gives a
+        preempted job a grace period (torchrun waits 30 s for its workers, SLURM's KillWait is 30 s by default) and
+        the checkpoint must be written within it. Under DDP every rank must stop at the same step without a device
+        sync per step: each step's flag is summed over the ranks asynchronously and read one step later, once the
+        next step is queued (``now``: read the current one too, waiting for it)."""
         stop = getattr(self, '_stop', None)
-        if stop is None or not self.dist.enabled:
-            return stop is not None and stop.signal_name is not None
-        return self.global_step % self.cfg.log_interval == 0 and self._any_rank(stop.signal_name is not None)
+        if stop is None:
+            return False
+        flag = stop.signal_name is not None
+        if not self.dist.enabled:
+            return flag
+        previous = self._stop_vote
+        self._stop_vote = all_reduce_sum_async(torch.tensor([float(flag)], device=self.device))
+        requested = previous is not None and previous.result() > 0
+        if now:
+            requested = self._stop_vote.result() > 0 or requested
+            self._stop_vote = None
+        return requested
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any (so all processes stop together)."""
