@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -356,6 +357,33 @@ def test_sigterm_saves_and_prints_the_resume_command(data, tmp_path, capsys, mon
     stop = read_stop_record(tmp_path / 'r')
     assert (stop['reason'], stop['signal'], stop['global_step'], stop['checkpoint']) == \
         ('interrupted', 'SIGTERM', 3, 'last.pth')
+
+
+def test_a_repeated_sigterm_does_not_stop_the_save_the_first_asked_for(data, tmp_path, capsys, monkeypatch):
+    # SLURM signals every process of the job step and torchrun forwards its own SIGTERM: a worker gets two.
+    # Before, the second ran the previous handler (the default: death, no checkpoint, no stopped.json)
+    step = Trainer.accumulate_step
+
+    def step_then_signal_twice(self, batches):
+        loss = step(self, batches)
+        if self.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the first one handled before the second arrives
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    def previous(signum, frame):  # stands in for SIG_DFL, which would kill the test process
+        raise AssertionError('the repeated SIGTERM reached the handler vitblocks replaced')
+    monkeypatch.setattr(Trainer, 'accumulate_step', step_then_signal_twice)
+    old = signal.signal(signal.SIGTERM, previous)
+    try:
+        code, _, err = run_cli(capsys, *tiny_train(data, tmp_path, '--name', 'r'))
+        assert signal.getsignal(signal.SIGTERM) is previous  # handlers restored
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert code == 130, err
+    assert 'SIGTERM at step 3: saved' in err
+    assert load_checkpoint(tmp_path / 'r' / 'last.pth')['global_step'] == 3
 
 
 # --- 10: fine-tuning from weights, exporting a trained checkpoint -----------------------------------------

@@ -2,8 +2,11 @@
 
 The handler only sets a flag; the training loop checks it after each optimizer step, saves
 ``last.pth`` there (a step boundary, so resuming is exact) and raises ``TrainingInterrupted``,
-whose message is the command that resumes the run. A second signal while saving is not
-caught: it stops the process at once (the atomic checkpoint write keeps the previous file).
+whose message is the command that resumes the run. A second SIGINT (Ctrl-C twice) is not caught: it
+stops the process at once (the atomic checkpoint write keeps the previous file). A repeated SIGTERM is
+ignored: a cluster delivers one preemption's SIGTERM more than once (SLURM signals every process of the
+job step, torchrun forwards its own to its workers, ``scancel`` may be repeated) and the escalation after
+the grace period is SIGKILL; dying at the second one would lose the checkpoint the first one asked for.
 """
 import signal
 import threading
@@ -32,9 +35,10 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-        for sig, handler in self._previous.items():  # the next signal acts as it would without us
-            signal.signal(sig, handler)
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+        if signal.SIGINT in self._previous:  # a second Ctrl-C acts as it would without us; SIGTERM stays ours
+            signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
 
     def __enter__(self) -> 'StopRequest':
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
