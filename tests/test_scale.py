@@ -364,6 +364,28 @@ def test_under_ddp_a_stop_is_agreed_one_step_after_the_signal_whatever_the_log_i
     assert Trainer._stop_requested(fake, now=True) and fake._stop_vote is None  # after an evaluation: at once
 
 
+def test_failed_collectives_of_a_lost_process_are_told_from_other_errors():
+    from vitblocks.experiments.distributed import is_lost_peer
+    gloo = ('[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:52115. '
+            'This is typically caused by a remote worker crashing.')
+    assert is_lost_peer(RuntimeError(gloo)) and is_lost_peer(torch.distributed.DistBackendError('NCCL error'))
+    assert not is_lost_peer(RuntimeError('mat1 and mat2 shapes cannot be multiplied')) and not is_lost_peer(KeyError())
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_others_with_a_message_naming_the_intact_checkpoint(data, tmp_path):
+    # before: gloo's "Connection reset by peer ... GLHF!" traceback, no step, checkpoint or resume command
+    cfg = _cfg(data, tmp_path, batch_size=4, checkpoint_interval=2, log_interval=2).to_dict()
+    out = _torchrun(tmp_path, {'cfg': cfg, 'kill_rank_at_step': 5, 'dump': str(tmp_path / 'bn')})
+    assert out.returncode != 0
+    assert ('LostProcess: rank 0 of 2: another process of this run went away (killed or crashed: its own log and '
+            f"torchrun's summary say why) during step 6; {tmp_path / 'run' / 'last.pth'} (step 4) is intact; "
+            f'resume with: vitblocks train --resume {tmp_path / "run"}') in out.stderr, out.stderr[-3000:]
+    stop = json.loads((tmp_path / 'run' / 'stopped.json').read_text())
+    assert (stop['error'], stop['checkpoint'], stop['global_step']) == ('LostProcess', 'last.pth', 5)
+    assert train(merge(cfg), resume=tmp_path / 'run').global_step == 16
+
+
 @pytest.mark.slow
 def test_checkpoint_missing_on_one_rank_stops_every_rank(data, tmp_path):
     first = train(merge(_bn_cfg(data, tmp_path / 'rank0', max_steps=2, progress='none')))

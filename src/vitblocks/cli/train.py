@@ -4,8 +4,8 @@ import sys
 from pathlib import Path
 
 from ..data import DataError, resolve_data_path
-from ..experiments import (CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, list_recipes,
-                           load_config, load_recipe, merge, parse_overrides, train)
+from ..experiments import (CheckpointError, ConfigError, LostProcess, TrainingDiverged, TrainingInterrupted,
+                           list_recipes, load_config, load_recipe, merge, parse_overrides, train)
 from ..experiments.config import RESUME_CHANGEABLE
 from .common import CliError, check_writable_dir, positive_int, refuse_disagreeing_flags
 
@@ -122,7 +122,7 @@ def run(args) -> int:
         result = train(cfg, resume=resume)
     except (ConfigError, DataError, CheckpointError) as e:
         raise CliError(str(e)) from None
-    except TrainingDiverged as e:
+    except (TrainingDiverged, LostProcess) as e:
         print(f'vitblocks train: stopped: {e}', file=sys.stderr)
         return 1
     except TrainingInterrupted as e:

@@ -9,10 +9,11 @@ papers' reproduction harnesses.
 from .checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
 from .config import (ConfigError, TrainConfig, list_recipes, load_config, load_recipe, merge, parse_overrides,
                      recipe_path)
-from .engine import RunResult, Trainer, TrainingDiverged, default_run_name, train
+from .engine import LostProcess, RunResult, Trainer, TrainingDiverged, default_run_name, train
 from .evaluate import EvalResult, evaluate
 from .interrupt import TrainingInterrupted
 
 __all__ = ['TrainConfig', 'ConfigError', 'merge', 'load_recipe', 'list_recipes', 'recipe_path', 'parse_overrides',
-           'load_config', 'train', 'Trainer', 'RunResult', 'TrainingDiverged', 'default_run_name', 'evaluate',
-           'EvalResult', 'TrainingInterrupted', 'CheckpointError', 'save_checkpoint', 'load_checkpoint', 'load_model_weights']
+           'load_config', 'train', 'Trainer', 'RunResult', 'TrainingDiverged', 'LostProcess', 'default_run_name',
+           'evaluate', 'EvalResult', 'TrainingInterrupted', 'CheckpointError', 'save_checkpoint', 'load_checkpoint',
+           'load_model_weights']

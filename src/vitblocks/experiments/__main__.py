@@ -9,7 +9,7 @@ from pathlib import Path
 from ..data import DataError
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
-from .engine import TrainingDiverged, default_run_name, train
+from .engine import LostProcess, TrainingDiverged, default_run_name, train
 from .interrupt import TrainingInterrupted
 
 
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
         if args.resume:
             resume = (run_dir or Path(cfg.output) / (cfg.name or default_run_name(cfg))) / 'last.pth'
         result = train(cfg, run_dir=run_dir, resume=resume)
-    except (ConfigError, DataError, CheckpointError, TrainingDiverged) as e:
+    except (ConfigError, DataError, CheckpointError, TrainingDiverged, LostProcess) as e:
         print(f'error: {e}', file=sys.stderr)
         return 1
     except TrainingInterrupted as e:

@@ -17,8 +17,8 @@ from timm.utils import distribute_bn
 from torch.distributed.constants import default_pg_timeout
 
 __all__ = ['DistInfo', 'init_distributed', 'attempt_store', 'agree_on_attempt', 'all_reduce_sum', 'PendingSum',
-           'all_reduce_sum_async', 'barrier',
-           'broadcast_object', 'gather_object', 'raise_on_every_rank', 'sync_batchnorm_stats', 'shutdown']
+           'all_reduce_sum_async', 'barrier', 'broadcast_object', 'gather_object', 'is_lost_peer',
+           'raise_on_every_rank', 'sync_batchnorm_stats', 'shutdown']
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,17 @@ def raise_on_every_rank(error: Optional[str], exc_type: type = RuntimeError) -> 
     where = ', '.join(f'rank {rank} on {host}' for rank, (host, _) in failed)
     raise exc_type(f'{first} ({where} of {len(errors)} processes'
                    + ('; the others would have waited for them' if len(failed) < len(errors) else '') + ')')
+
+
+_LOST_PEER = ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe', 'NCCL', 'ProcessGroupGloo',
+              'gloo/transport')
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed because another process of the group went away (killed,
+    crashed): torch's ``DistError`` family (NCCL errors, timeouts) or gloo's plain ``RuntimeError``."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError)
+                                                 and any(k in str(error) for k in _LOST_PEER))
 
 
 def sync_batchnorm_stats(model: torch.nn.Module, mode: str) -> None:

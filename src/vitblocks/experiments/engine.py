@@ -29,7 +29,7 @@ from ..profile import count_params
 from .checkpoint import CheckpointError, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError, TrainConfig, check_resume_config, save_config
 from .distributed import (DistInfo, all_reduce_sum, all_reduce_sum_async, barrier, broadcast_object, init_distributed,
-                          sync_batchnorm_stats)
+                          is_lost_peer, sync_batchnorm_stats)
 from .evaluate import EvalResult, evaluate
 from .interrupt import StopRequest, TrainingInterrupted
 from .resume import auto_resume_checkpoint, load_on_every_rank
@@ -38,11 +38,16 @@ from .schedule import build_scheduler, restore_scheduler, scheduler_state
 from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader, model_name,
                     no_weight_decay_names, open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
 
-__all__ = ['train', 'TrainingDiverged', 'RunResult', 'default_run_name', 'Trainer']
+__all__ = ['train', 'TrainingDiverged', 'LostProcess', 'RunResult', 'default_run_name', 'Trainer']
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+class LostProcess(RuntimeError):
+    """Under DDP, another process of the run went away (killed, crashed) and a collective failed; says which
+    checkpoint is intact and how to resume."""
 
 
 @dataclass
@@ -172,6 +177,7 @@ class Trainer:
         self.elapsed_before = 0.0
         self._last_loss = float('nan')
         self._window = (0.0, 0)  # (loss sum, steps) since the last metrics row
+        self._saved_step = None  # the step last.pth holds (set by save and _restore)
         self._stop_vote = None  # under DDP: the sum over the ranks of the last step's stop flag, still in flight
         self.run_dir = self._make_run_dir(run_dir, resume, ckpt)
         self.log = MetricsLog(self.run_dir, cfg.tensorboard, fresh=ckpt is None) if self.dist.is_main else None
@@ -229,6 +235,7 @@ class Trainer:
             raise CheckpointError(f'{path}: does not fit this model/config ({type(e).__name__}: '
                                   f'{str(e).splitlines()[0][:300]})') from None
         self.epoch, self.epoch_step, self.global_step = ckpt['epoch'], ckpt['epoch_step'], ckpt['global_step']
+        self._saved_step = self.global_step
         self.best_top1, self.best_epoch = ckpt.get('best_top1', -1.0), ckpt.get('best_epoch', -1)
         self.elapsed_before = ckpt.get('elapsed_s', 0.0)
         self._window = tuple(ckpt.get('log_window', (0.0, 0)))
@@ -283,6 +290,8 @@ class Trainer:
         state = state or self._state()  # every rank takes part (RNG gather); rank 0 writes
         if self.dist.is_main:
             save_checkpoint(state, self.run_dir / name)
+        if name == 'last.pth':
+            self._saved_step = self.global_step
 
     def _elapsed(self) -> float:
         return self.elapsed_before + (time.perf_counter() - self._t0 if hasattr(self, '_t0') else 0.0)
@@ -370,8 +379,12 @@ class Trainer:
                 self._stop_vote.result()
                 self._stop_vote = None
         except Exception as e:
+            if self.dist.enabled and is_lost_peer(e):  # gloo's or NCCL's message names no run, step or checkpoint
+                e = self._lost_process(e)
             if self.dist.is_main:
                 self._record_stop(e)
+            if isinstance(e, LostProcess):
+                raise e from None
             raise
         barrier()
         if self.dist.is_main:
@@ -379,6 +392,17 @@ class Trainer:
             self.log.close()
         return RunResult(self.run_dir, final, final_ema, self.best_top1, self.global_step,
                          self.global_step / self.steps_per_epoch, self._elapsed())
+
+    def _lost_process(self, error: Exception) -> LostProcess:
+        last = self.run_dir / 'last.pth'
+        step = f' (step {self._saved_step})' if self._saved_step is not None else ''
+        saved = (f'{last}{step} is intact; resume with: vitblocks train --resume {self.run_dir} '
+                 f'(resume=auto continues it under torchrun --max-restarts)' if last.exists() else
+                 'no checkpoint was saved yet')
+        detail = (str(error).splitlines() or [type(error).__name__])[0][:300]
+        return LostProcess(f'rank {self.dist.rank} of {self.dist.world_size}: another process of this run went away '
+                           f'(killed or crashed: its own log and torchrun\'s summary say why) during step '
+                           f'{self.global_step + 1}; {saved} [{type(error).__name__}: {detail}]')
 
     def _record_stop(self, error: Exception) -> None:
         """Write ``stopped.json``: why this run stopped, where, and which checkpoint it can go on from."""
