@@ -498,7 +498,9 @@ class Trainer:
         if not self.dist.enabled:
             return flag
         previous = self._stop_vote
-        self._stop_vote = all_reduce_sum_async(torch.tensor([float(flag)], device=self.device))
+        # torch.full fills on the device; torch.tensor([flag], device=cuda) would copy from pageable host memory,
+        # which waits for the whole queued step (a device sync per step)
+        self._stop_vote = all_reduce_sum_async(torch.full((1,), float(flag), device=self.device))
         requested = previous is not None and previous.result() > 0
         if now:
             requested = self._stop_vote.result() > 0 or requested
