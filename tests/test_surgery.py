@@ -215,3 +215,16 @@ def test_a_model_without_exclusions_keeps_its_own_no_weight_decay():
     model = timm.create_model('deit_tiny_patch16_224', img_size=32, depth=1)
     vitblocks.swap_ffn(model, 'afbo')  # nothing AFBO keeps out of weight decay by name
     assert 'no_weight_decay' not in vars(model) and model.no_weight_decay() == type(model).no_weight_decay(model)
+
+
+def test_caformer_channels_last_stages_get_a_channels_last_layout():
+    """CAFormer's convolution stages are channels-first (1x1-conv MLPs); timm runs its attention stages on
+    tokens (B, H*W, C) with Linear MLPs: each swapped FFN reads the layout of its own stage, with the grid."""
+    with torch.device('meta'):
+        model = timm.create_model('caformer_s18', num_classes=3)
+        linear = [isinstance(b.mlp.fc1, nn.Linear) for s in model.stages for b in s.blocks]
+        assert vitblocks.swap_ffn(model, 'afbo') == len(linear) == 18 and 0 < sum(linear) < 18
+        assert [b.mlp.layout.channels_first for s in model.stages for b in s.blocks] == [not li for li in linear]
+        assert model(torch.randn(1, 3, 224, 224)).shape == (1, 3)
+        assert model(torch.randn(1, 3, 160, 192)).shape == (1, 3)  # the grid follows the input: 1/32 in the last stage
+        assert model.stages[3].blocks[0].mlp.grid_size == (5, 6)

@@ -11,6 +11,9 @@ when the input resolution changes.
 |                               | ``MixerBlock``)           |                                             |
 | SwinTransformer               | ``layers[s].blocks[i].mlp`` | tokens ``(B, H*W, C)`` (grid = block input) |
 | MetaFormer (PoolFormer)       | ``stages[s].blocks[i].mlp`` | channels-first ``(B, C, H, W)``           |
+|                               |                           | (CAFormer's attention stages: tokens        |
+|                               |                           | ``(B, H*W, C)``, grid from the stage's      |
+|                               |                           | downsampling)                               |
 | MlpMixer                      | ``blocks[i].mlp_channels``  | tokens ``(B, H*W, C)``; token MLPs untouched |
 | PyramidVisionTransformerV2    | ``stages[s].blocks[i].mlp`` | tokens ``(B, H*W, C)``; grid = the block's   |
 | (PVTv2)                       |                           | ``feat_size`` argument, read every forward  |
@@ -94,6 +97,27 @@ def _track_block_grid(block: nn.Module, args: Tuple[torch.Tensor]) -> None:
     block._vitblocks_layout.grid_size = (x.shape[1], x.shape[2])
 
 
+def _track_stage_grid(downsample: nn.Module, args: Tuple[torch.Tensor], output: torch.Tensor) -> None:
+    """Forward hook on a MetaFormer stage's downsampling, whose output ``(B, C, H, W)`` the stage turns into tokens."""
+    if torch.jit.is_scripting():
+        return
+    if _tracing_symbolically():
+        return
+    downsample._vitblocks_layout.grid_size = (output.shape[-2], output.shape[-1])
+
+
+def _stage_token_layout(stage: nn.Module) -> TokenLayout:
+    """One layout for the blocks of a channels-last MetaFormer stage: timm's ``MetaFormerStage`` reshapes the
+    downsampled ``(B, C, H, W)`` map to tokens ``(B, H*W, C)`` (no prefix), so a hook on its downsampling
+    records the grid of every forward."""
+    layout = getattr(stage.downsample, '_vitblocks_layout', None)
+    if layout is None:
+        layout = TokenLayout(None, 0)
+        _attach(stage.downsample, layout)
+        stage.downsample.register_forward_hook(_track_stage_grid)
+    return layout
+
+
 def _shared_patch_layout(patch_embed: nn.Module, num_prefix_tokens: int) -> TokenLayout:
     """One layout for all blocks of a plain ViT/Mixer, kept current by a hook on the patch embed."""
     layout = getattr(patch_embed, '_vitblocks_layout', None)
@@ -146,9 +170,11 @@ def find_ffn_slots(model: nn.Module) -> List[Slot]:
     elif isinstance(model, MetaFormer):
         for s, stage in enumerate(model.stages):
             for i, blk in enumerate(stage.blocks):
-                channels_first = isinstance(blk.mlp.fc1, nn.Conv2d)
-                # channels-last MetaFormers (ConvFormer/CAFormer) feed (B, H, W, C) maps
-                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, channels_first)))
+                if isinstance(blk.mlp.fc1, nn.Conv2d):  # 1x1-conv MLPs on (B, C, H, W) maps (PoolFormer, ConvFormer)
+                    layout = TokenLayout(None, 0, True)
+                else:  # timm runs a channels-last stage (CAFormer's attention stages) on tokens (B, H*W, C)
+                    layout = _stage_token_layout(stage)
+                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', layout))
     elif isinstance(model, MlpMixer):
         layout = _shared_patch_layout(model.stem, 0)
         for i, blk in enumerate(model.blocks):
