@@ -12,6 +12,7 @@ from torch import nn
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.deploy import reparameterize
 from vitblocks.layers import IFFN, ConcatArbitraryActivations
+from vitblocks.layers.iffn import DepthwiseBlock
 from _helpers import perturb_
 
 RTOL = 1e-5  # relative error allowed between training form (eval) and deploy form, fp32
@@ -332,3 +333,22 @@ def test_deploy_form_model_loads_fused_checkpoint_and_tracks_grid():
 def test_channels_first_model_deploys():
     model = timm.create_model('iffn_poolformer_s12', num_classes=10)
     _check_deploy(model, torch.randn(2, 3, 64, 64), deploy=reparameterize)
+
+
+def test_folding_keeps_the_batchnorm_eps():
+    """BN(z) = w (z - mean) / sqrt(var + eps) + b: with small running variances eps is a large part of
+    the denominator, so a fold that drops it is off by far more than float64 rounding."""
+    block = DepthwiseBlock(4, 3).double().eval()
+    with torch.no_grad():
+        block.bn.running_var.fill_(1e-4)
+        block.bn.eps = 1e-3
+        block.bn.running_mean.normal_()
+        block.bn.weight.normal_()
+        block.bn.bias.normal_()
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    fused = block.fuse()
+    assert isinstance(fused.bn, nn.Identity)
+    scale = block.bn.weight / torch.sqrt(block.bn.running_var + 1e-3)
+    expected_w = block.conv.weight * scale.view(-1, 1, 1, 1)
+    torch.testing.assert_close(fused.conv.weight, expected_w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused(x), block(x), rtol=1e-10, atol=1e-10)

@@ -167,3 +167,47 @@ def test_dropout_follows_the_hidden_layernorm():
     m.spatial.register_forward_hook(lambda mod, args, out: seen.append('spatial'))
     m(torch.randn(2, 6, 16))
     assert seen == ['norm', 'drop1', 'spatial']
+
+
+def test_default_widths_follow_the_authors_model():
+    """IFFN(C) with no widths given: hidden C' = 4C (timm Mlp's default), fc1 C -> C'/N = 2C, two AGeLUs,
+    a 3x3 depthwise block with GELU, fc2 4C -> C."""
+    m = IFFN(16, grid_size=(2, 3))
+    assert (m.fc1.in_features, m.fc1.out_features) == (16, 32)
+    assert (m.fc2.in_features, m.fc2.out_features) == (64, 16)
+    assert m.hidden_features == 64 and m.act.num_functions == 2 and m.act.alpha.shape == (2, 32)
+    assert m.spatial.conv.kernel_size == (3, 3) and m.act.base == 'gelu' and m.spatial.act_name == 'gelu'
+    assert m.norm.normalized_shape == (64,) and m.norm_out.normalized_shape == (16,)
+    assert SumOfNonlinearities(8).functions_per_channel == 32  # Eq. 11: C' = 4C functions per channel
+
+
+def test_forward_matches_the_authors_definition_written_out():
+    """fc1 -> [A_1 | A_2] -> LayerNorm(4C) -> y + GELU(BN(DWConv3x3(y))) -> fc2 -> LayerNorm(C), with the
+    BatchNorm in eval mode (random statistics), in float64, against F.* calls only."""
+    torch.manual_seed(3)
+    m = perturb_(IFFN(8, 32, grid_size=(3, 4), num_prefix_tokens=1).double(), std=0.3, batchnorm=True).eval()
+    x = torch.randn(2, 1 + 12, 8, dtype=torch.float64)
+    a = m.act
+    h = F.linear(x, m.fc1.weight, m.fc1.bias)  # (B, N, 16)
+    y = torch.cat([a.beta[i] * F.gelu(a.alpha[i] * h + a.gamma[i]) + a.theta[i] for i in range(2)], -1)  # Eq. 5
+    y = F.layer_norm(y, (32,), m.norm.weight, m.norm.bias, m.norm.eps)
+    fmap = y[:, 1:].reshape(2, 3, 4, 32).permute(0, 3, 1, 2)  # patch tokens as (B, C', H, W)
+    bn, conv = m.spatial.bn, m.spatial.conv
+    z = F.conv2d(fmap, conv.weight, conv.bias, padding=1, groups=32)
+    z = F.batch_norm(z, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0., bn.eps)
+    fmap = fmap + F.gelu(z)
+    y = torch.cat([y[:, :1], fmap.permute(0, 2, 3, 1).reshape(2, 12, 32)], 1)  # class token skips the spatial part
+    out = F.layer_norm(F.linear(y, m.fc2.weight, m.fc2.bias), (8,), m.norm_out.weight, m.norm_out.bias, m.norm_out.eps)
+    torch.testing.assert_close(m(x), out, rtol=1e-10, atol=1e-10)
+    with torch.inference_mode():
+        torch.testing.assert_close(m.fuse()(x), out, rtol=1e-10, atol=1e-10)  # deploy path, folded BN
+
+
+def test_activation_aliases_name_the_same_functions():
+    """Table 3's 'Swish' is SiLU, x * sigmoid(x); 'hard_swish' is Hardswish."""
+    from vitblocks.layers.activations import act_fn, activation_name
+    assert activation_name('swish') == activation_name('Swish') == 'silu'
+    assert activation_name('hard_swish') == 'hardswish'
+    x = torch.linspace(-4, 4, 9)
+    torch.testing.assert_close(act_fn('swish')(x), x * torch.sigmoid(x))
+    assert IFFN(8, 16, act_layer='swish', grid_size=(1, 2)).act.base == 'silu'
