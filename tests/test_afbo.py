@@ -629,3 +629,27 @@ def test_registered_models_cover_table2():
     assert built == set(vitblocks.list_models(method='afbo'))
     assert len(built) == 21  # 14 timm backbones + vitblocks' LVT, CycleMLP-B1, HireMLP-Tiny, Pyramid VisionLLaMA-S/B/L, EdgeViT-XXS
 
+
+
+def test_defaults_are_the_papers_afbo():
+    """AFBO(d) with nothing else given: Md = 4d, OCCM (G2 = 4) left and GCCM (G1 = 2) right, 3x3 depthwise
+    convs after the maps (AFBO-CS), SiLU on the left (OCCM) branch before the product (Sec. 4.4, Table 6)."""
+    m = AFBO(D, grid_size=(2, 2))
+    assert (m.hidden_features, m.out_features) == (4 * D, D)
+    assert isinstance(m.left_map, OverlappedCycleChannelMap) and m.left_map.groups == 4
+    assert isinstance(m.right_map, GroupedCrossChannelMap) and m.right_map.groups == 2
+    assert (m.order, m.spatial_kind, m.kernel_size) == ('cm_sm', 'dwconv', 3)
+    assert m.left_spatial.groups == m.left_spatial.in_channels == 4 * D and m.left_spatial.kernel_size == (3, 3)
+    assert (m.act_name, m.act_position, m.act_branch) == ('silu', 'pre', 'left') and isinstance(m.act, nn.SiLU)
+    assert (m.fc2.in_features, m.fc2.out_features) == (4 * D, D)
+
+
+def test_spatial_attention_is_cbam():
+    """CBAM's spatial attention: x * sigmoid(conv_k([max over channels, mean over channels])), a map in (0, 1)."""
+    from vitblocks.layers.afbo import SpatialAttention
+    sa = _randomize(SpatialAttention(3).double())
+    x = torch.randn(2, 5, 4, 6, dtype=torch.float64)
+    pooled = torch.stack([x.max(dim=1).values, x.mean(dim=1)], dim=1)  # (B, 2, H, W): max first
+    gate = torch.sigmoid(F.conv2d(pooled, sa.conv.weight, sa.conv.bias, padding=1))  # (B, 1, H, W)
+    torch.testing.assert_close(sa(x), x * gate, rtol=1e-12, atol=1e-12)
+    assert sum(p.numel() for p in sa.parameters()) == 2 * 3 * 3 + 1  # Table 8: 2k^2 + 1
