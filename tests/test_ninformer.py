@@ -33,6 +33,14 @@ def test_gating_unit_is_linear_times_mixer_with_no_gate_activation():
     assert (mx.mlp_channels.fc1.in_features, mx.mlp_channels.fc1.out_features) == (32, 64)
 
 
+
+def test_gating_unit_default_widths_are_timms_mixer():
+    """Without widths the Mixer sub-unit is timm's MLP-Mixer block: token MLP C/2, channel MLP 4C, GELU."""
+    mx = MixerGatingUnit(32, num_tokens=9).mixer
+    assert (mx.mlp_tokens.fc1.in_features, mx.mlp_tokens.fc1.out_features, mx.mlp_tokens.fc2.out_features) == (9, 16, 9)
+    assert (mx.mlp_channels.fc1.in_features, mx.mlp_channels.fc1.out_features) == (32, 128)
+    assert isinstance(mx.mlp_tokens.act, nn.GELU) and isinstance(mx.mlp_channels.act, nn.GELU)
+
 def test_gating_unit_layouts():
     unit = perturb_(MixerGatingUnit(16, num_tokens=12), std=0.1).eval()
     tokens = torch.randn(2, 12, 16)  # (B, N, C), N = 3 x 4
@@ -75,6 +83,14 @@ def test_locality_ffn_structure_and_prefix_tokens():
     expected = ffn.fc2(torch.cat([h[:, :1], local], dim=1))  # the class token skips the conv
     torch.testing.assert_close(out, expected)
 
+
+
+def test_locality_ffn_defaults_are_localvits():
+    """LocalViT's FFN: hidden 4C, h-swish after fc1 and after the 3x3 depthwise conv, no norm."""
+    ffn = LocalityFFN(8, grid_size=(2, 2))
+    assert (ffn.fc1.out_features, ffn.fc2.in_features, ffn.fc2.out_features) == (32, 32, 8)
+    assert isinstance(ffn.act1, nn.Hardswish) and isinstance(ffn.act2, nn.Hardswish)
+    assert ffn.conv.kernel_size == (3, 3) and ffn.conv.groups == 32 and isinstance(ffn.norm, nn.Identity)
 
 def test_locality_ffn_swaps_into_vit():
     model = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, num_classes=4)
