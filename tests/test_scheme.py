@@ -36,6 +36,21 @@ def test_cca_matches_its_definition_entry_by_entry():
     torch.testing.assert_close(channel_covariance_attention(same, 1.), same)
 
 
+
+def test_training_form_is_alpha_mlp_plus_one_minus_alpha_cca_at_the_authors_scale():
+    """y = alpha BD-MLP(x) + (1 - alpha) CCA(x) with CCA's scale 1/sqrt(Ed) (the authors' choice), written out."""
+    torch.manual_seed(0)
+    layer = SCHEME(8, 32, groups=(1, 2)).double().eval()
+    _trained_mix(layer, 0.4)
+    assert layer.cca_scale == 32 ** -0.5
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    mlp = layer.fc2(layer.act(layer.fc1(x)))
+    attn = torch.softmax(x.transpose(1, 2) @ x / 32 ** 0.5, dim=-1)  # (B, C, C), softmax over the read channel
+    alpha = torch.softmax(layer.mix_logits.detach(), 0)[0]
+    assert alpha.item() == pytest.approx(0.6, rel=1e-6)
+    expected = alpha * mlp + (1 - alpha) * x @ attn.transpose(1, 2)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-10, atol=1e-10)
+
 @pytest.mark.parametrize('groups', [(1, 2), (4, 4), (2, 1)])
 def test_parameters_and_block_diagonal_structure(groups):
     d, hidden = 16, 128
