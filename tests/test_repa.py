@@ -301,6 +301,20 @@ def test_token_batchnorm_uses_tokens_as_the_batch(momentum):
     assert torch.allclose(bn.eval()(x), ref.eval()(x.reshape(-1, 8)).view(x.shape), atol=1e-6)
 
 
+
+def test_token_batchnorm_defaults_are_batchnorm1d_defaults():
+    """The authors' BatchNorm1d(C) with torch's defaults (eps 1e-5, momentum 0.1): the running statistics
+    after one training step are 0.9 * init + 0.1 * batch statistics (unbiased variance)."""
+    unit = RePaFFN(8, 32)
+    for bn in (TokenBatchNorm(8), unit.norm_in, unit.norm_hidden):
+        assert (bn.eps, bn.bn.momentum, bn.bn.affine, bn.bn.track_running_stats) == (1e-5, 0.1, True, True)
+    bn = TokenBatchNorm(8).train()
+    x = torch.randn(4, 10, 8)
+    bn(x)
+    flat = x.reshape(-1, 8)
+    torch.testing.assert_close(bn.running_mean, 0.1 * flat.mean(0))
+    torch.testing.assert_close(bn.running_var, 0.9 + 0.1 * flat.var(0, unbiased=True))
+
 @pytest.mark.parametrize('name', ['repa_deit_tiny_patch16_224', 'repa_poolformer_s12'])
 def test_torchscript_training_and_deployed_forms(name):
     model, size = _small(name)
