@@ -217,6 +217,16 @@ def test_a_model_without_exclusions_keeps_its_own_no_weight_decay():
     assert 'no_weight_decay' not in vars(model) and model.no_weight_decay() == type(model).no_weight_decay(model)
 
 
+def test_swap_carries_each_dropout_rate_to_its_own_place():
+    """The MLP's drop1 (after the activation) and drop2 (after fc2) are two knobs: each keeps its own rate."""
+    with torch.device('meta'):
+        model = timm.create_model('deit_tiny_patch16_224', depth=2)
+        for blk in model.blocks:
+            blk.mlp.drop1.p, blk.mlp.drop2.p = 0.1, 0.3
+        assert vitblocks.swap_ffn(model, 'iffn') == 2
+    assert [(b.mlp.drop1.p, b.mlp.drop2.p) for b in model.blocks] == [(0.1, 0.3)] * 2
+
+
 def test_caformer_channels_last_stages_get_a_channels_last_layout():
     """CAFormer's convolution stages are channels-first (1x1-conv MLPs); timm runs its attention stages on
     tokens (B, H*W, C) with Linear MLPs: each swapped FFN reads the layout of its own stage, with the grid."""
