@@ -61,6 +61,19 @@ def test_value_activation_formula(value_act, value_fn):
     torch.testing.assert_close(attn(x), _reference_attention(attn, x, value_fn), rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize('fused', [True, False])
+def test_attention_dropout_only_in_training(fused):
+    """attn_drop drops attention weights while training; in eval mode the layer is deterministic and equals
+    the same weights without dropout (fused SDPA gets dropout_p=0)."""
+    attn = perturb_(ValueActivationAttention(32, num_heads=2, attn_drop=0.5), std=0.1).eval()
+    plain = ValueActivationAttention(32, num_heads=2).eval()
+    plain.load_state_dict(attn.state_dict())
+    attn.fused_attn = plain.fused_attn = fused
+    x = torch.randn(2, 6, 32)
+    torch.testing.assert_close(attn(x), plain(x), rtol=0, atol=0)
+    assert not torch.allclose(attn.train()(x), plain(x))
+
 @pytest.mark.parametrize('dim', [192, 384])
 def test_glu_widens_value_by_d_squared_plus_d(dim):
     count = lambda act: count_params(ValueActivationAttention(dim, num_heads=3, qkv_bias=True, value_act=act))
