@@ -132,3 +132,30 @@ def test_ffn_lipschitz_rejects_tokens_of_another_width():
     conv = _tiny_poolformer().stages[0].blocks[0].mlp
     with pytest.raises(ValueError, match=r'\(B, H, W, C\) for a 1x1-conv FFN'):
         ffn_lipschitz(conv, torch.randn(2, 16, 8))  # tokens, but the module wants a map
+
+
+def test_iffn_form_is_its_channel_part_and_naive_bound_is_the_norm_product():
+    """The theorem's f for an IFFN is fc2(concat(A_1(fc1 x), A_2(fc1 x))) (LayerNorms and depthwise block left
+    out), W1 split by copy, each part with the slopes of its own AGeLU; naive = sum_i ||W1_i|| max|slope_i| ||W0||."""
+    from vitblocks.analysis.lipschitz import affn_form
+    ffn = _trained_like_iffn()
+    form, note = affn_form(ffn)
+    assert note == '' and len(form.w1_parts) == 2
+    x = torch.randn(5, 8, dtype=torch.float64)
+    with torch.no_grad():
+        expected = ffn.fc2(ffn.act(ffn.fc1(x)))  # Eq. 13: W1 [phi_1(W0 x + b0); phi_2(W0 x + b0)] + b1
+        torch.testing.assert_close(form(x), expected, rtol=1e-12, atol=1e-12)
+    for i, (p, q) in enumerate(form.slopes):
+        p_i, q_i = agelu_slopes(ffn.act.alpha[i], ffn.act.beta[i])
+        np.testing.assert_array_equal(p, p_i)
+        np.testing.assert_array_equal(q, q_i)
+    torch.manual_seed(1)
+    small = IFFN(2, 4, spatial_part=False).double().eval()  # a tiny SDP: the naive bound is what is checked
+    with torch.no_grad():  # the largest |alpha * beta| of each copy is negative: there max|slope| = |p| > q
+        small.act.alpha.copy_(torch.tensor([[-2., 0.5], [1., -3.]]))
+    form = affn_form(small)[0]
+    r = ffn_lipschitz(small, torch.randn(2, 3, 2), solver='CLARABEL', iters=5)
+    w0 = small.fc1.weight.detach()
+    naive = sum(torch.linalg.matrix_norm(w, ord=2).item() * max(np.abs(p).max(), np.abs(q).max())
+                for w, (p, q) in zip(form.w1_parts, form.slopes)) * torch.linalg.matrix_norm(w0, ord=2).item()
+    assert r.naive == pytest.approx(naive, rel=1e-9)
