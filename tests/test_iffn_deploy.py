@@ -352,3 +352,18 @@ def test_folding_keeps_the_batchnorm_eps():
     expected_w = block.conv.weight * scale.view(-1, 1, 1, 1)
     torch.testing.assert_close(fused.conv.weight, expected_w, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(fused(x), block(x), rtol=1e-10, atol=1e-10)
+
+
+def test_reparameterize_returns_an_eval_mode_copy_of_a_training_model():
+    """The deployed model folds BatchNorm running statistics, so it is returned in eval mode (every module),
+    computes the eval-mode function, and the training model it came from stays in training mode."""
+    model = timm.create_model('iffn_deit_tiny_patch16_224', img_size=32, patch_size=8, depth=1, embed_dim=16,
+                              num_heads=2, num_classes=3).train()
+    perturb_(model, std=0.1, batchnorm=True)
+    deployed = reparameterize(model)
+    assert not any(m.training for m in deployed.modules()) and model.training
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        out = deployed(x)
+        torch.testing.assert_close(out, deployed(x), rtol=0, atol=0)  # no dropout / batch statistics
+        torch.testing.assert_close(out, model.eval()(x), rtol=1e-5, atol=1e-5)
