@@ -32,3 +32,12 @@ def test_gflops_are_twice_the_gmacs_and_modules_sum_per_depth():
     assert report.top_modules(1) == {'Sequential.0': 90, 'Sequential.1': 36, 'Sequential.2': 6}
     assert report.top_modules(2) == {'Sequential.0.0': 72, 'Sequential.0.1': 18}
     assert sum(report.top_modules(1).values()) == report.total
+
+
+def test_counting_runs_in_eval_mode_and_restores_training_mode():
+    """Dropout and BatchNorm batch statistics must not change the count, and the caller's mode comes back."""
+    model = _tiny().train()
+    seen = []
+    model[2].register_forward_pre_hook(lambda m, args: seen.append(m.training))
+    count_macs(model, inputs=torch.randn(1, 3, 4))
+    assert seen == [False] and all(m.training for m in model.modules())

@@ -315,6 +315,16 @@ def test_token_batchnorm_defaults_are_batchnorm1d_defaults():
     torch.testing.assert_close(bn.running_mean, 0.1 * flat.mean(0))
     torch.testing.assert_close(bn.running_var, 0.9 + 0.1 * flat.var(0, unbiased=True))
 
+
+def test_token_batchnorm_loads_the_state_dict_of_its_earlier_subclass_form():
+    """Checkpoints saved when TokenBatchNorm was a BatchNorm1d subclass hold <name>.weight, not <name>.bn.weight."""
+    old = {'weight': torch.randn(8), 'bias': torch.randn(8), 'running_mean': torch.randn(8),
+           'running_var': torch.rand(8) + 0.5, 'num_batches_tracked': torch.tensor(7)}
+    bn = TokenBatchNorm(8)
+    bn.load_state_dict(dict(old))
+    for key, value in old.items():
+        torch.testing.assert_close(getattr(bn.bn, key), value)
+
 @pytest.mark.parametrize('name', ['repa_deit_tiny_patch16_224', 'repa_poolformer_s12'])
 def test_torchscript_training_and_deployed_forms(name):
     model, size = _small(name)
