@@ -70,6 +70,8 @@ def test_errors_are_clear(tmp_path):
     torch.save({'weight': torch.zeros(2)}, bad)
     with pytest.raises(CliError, match='cannot load'):
         _cli('entropy', 'deit_tiny_patch16_224', '--checkpoint', str(bad), '--no-plot')
+    with pytest.raises(CliError, match=r'a folder, not a checkpoint file; give one of its files \(w.pth\)'):
+        _cli('entropy', 'deit_tiny_patch16_224', '--checkpoint', str(tmp_path), '--no-plot')
     with pytest.raises(CliError, match='no such file'):
         _cli('entropy', 'deit_tiny_patch16_224', '--model-kwargs', TINY, '--data', str(tmp_path / 'none'), '--no-plot')
     with pytest.raises(SystemExit):  # argparse: not a YAML mapping

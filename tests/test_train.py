@@ -490,12 +490,18 @@ def test_cli_train_eval_and_resume(data, tmp_path, capsys):
     (['train', '--model', 'vit_tiny_patch16_224', '--data', '{data}', '--config', 'dei'], 'Did you mean: deit'),
     (['train', '--model', 'vit_tiny_patch16_224', '--data', '{data}', 'epochz=3'], 'Did you mean: epochs'),
     (['eval', '--checkpoint', '/no/such.pth', '--data', '{data}'], '/no/such.pth: no such checkpoint file'),
+    (['eval', '--checkpoint', '{run}', '--data', '{data}'], 'a folder, not a checkpoint file; give one of its '
+                                                            'files (best.pth, last.pth)'),
     (['eval', '--checkpoint', '{foreign}', '--data', '{data}'], 'say which model it holds with --model'),
 ])
 def test_cli_user_errors_are_one_line(data, tmp_path, capsys, argv, fragment):
     foreign = tmp_path / 'w.pth'
     torch.save({'w': torch.zeros(1)}, foreign)
-    argv = [a.format(data=data, foreign=foreign) for a in argv]
+    run = tmp_path / 'run'  # a run folder given where its checkpoint is meant
+    run.mkdir()
+    for name in ('last.pth', 'best.pth', 'metrics.csv'):
+        (run / name).write_text('')
+    argv = [a.format(data=data, foreign=foreign, run=run) for a in argv]
     code, out, err = run_cli(capsys, *argv)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and 'Traceback' not in err

@@ -10,7 +10,7 @@ import yaml
 from torch import nn
 
 from ..experiments import CheckpointError, ConfigError, load_model_weights, merge
-from ..experiments.checkpoint import FORMAT as RUN_FORMAT, read_checkpoint
+from ..experiments.checkpoint import FORMAT as RUN_FORMAT, missing_checkpoint, read_checkpoint
 from ..experiments.schema import yaml_load
 from ..experiments.setup import create_model
 from ..models import get_variant, list_models, resolve_model_name, swap_ffn
@@ -185,6 +185,8 @@ def load_trained_model(name: str, path: Path, block_cfg: Optional[Dict[str, Any]
     command's flags for those, named in the errors.
     """
     path = Path(path)
+    if path.is_dir():
+        raise CliError(f'--checkpoint {missing_checkpoint(path)}')
     if not path.is_file():
         raise CliError(f'--checkpoint {path}: no such file')
     try:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 __all__ = ['CheckpointError', 'save_checkpoint', 'load_checkpoint', 'load_model_weights', 'read_checkpoint',
-           'rng_state', 'set_rng_state', 'tensor_digest', 'FORMAT']
+           'missing_checkpoint', 'rng_state', 'set_rng_state', 'tensor_digest', 'FORMAT']
 
 FORMAT = 'vitblocks-train-checkpoint-v1'
 
@@ -88,10 +88,19 @@ def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:
         raise
 
 
+def missing_checkpoint(path: Path) -> str:
+    """Why ``path`` (not a file) cannot be read: a run folder given for its checkpoint names the files in it."""
+    if path.is_dir():
+        found = sorted(p.name for p in path.iterdir() if p.suffix in ('.pth', '.safetensors'))
+        hint = f'give one of its files ({", ".join(found)})' if found else 'it holds no .pth or .safetensors file'
+        return f'{path}: a folder, not a checkpoint file; {hint}'
+    return f'{path}: no such checkpoint file'
+
+
 def read_checkpoint(path: Path) -> Any:
     """Whatever a ``.pth`` file holds, loaded with ``weights_only=True``; a clear error otherwise."""
     if not path.is_file():
-        raise CheckpointError(f'{path}: no such checkpoint file')
+        raise CheckpointError(missing_checkpoint(path))
     if path.stat().st_size == 0:
         raise CheckpointError(f'{path}: empty file (a checkpoint cut off while being written?)')
     try:
@@ -128,7 +137,7 @@ def load_model_weights(path: Union[str, Path], ema: bool = False) -> Dict[str, t
             raise CheckpointError(f'{path}: EMA weights are only read from vitblocks training checkpoints '
                                   f'(a safetensors file holds one set of weights); drop --ema')
         if not path.is_file():
-            raise CheckpointError(f'{path}: no such checkpoint file')
+            raise CheckpointError(missing_checkpoint(path))
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         try:
