@@ -95,6 +95,10 @@ def test_swap_errors():
         vitblocks.swap_ffn(model, 'ifn')
     with pytest.raises(ValueError, match='selected none'):
         vitblocks.swap_ffn(model, 'iffn', include=lambda name: False)
+    with pytest.raises(TypeError, match="FFN 'iffn' has no argument 'kernel'; did you mean kernel_size?"):
+        vitblocks.swap_ffn(model, 'iffn', kernel=5)  # not Python's bare 'unexpected keyword argument'
+    with pytest.raises(TypeError, match="has no argument 'kernel'; did you mean kernel_size?"):
+        timm.create_model('iffn_deit_tiny_patch16_224', block_cfg=dict(kernel=7))
 
 
 _TINY_VIT = dict(img_size=32, patch_size=8, depth=2, embed_dim=48, num_heads=2)

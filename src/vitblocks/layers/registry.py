@@ -13,6 +13,7 @@ it: ``'drop'`` (the MLP's two dropout rates) and ``'act_layer'`` where the block
 block has its own (AFBO's sigma is SiLU on any backbone, Table 6; GLU's gate is a sigmoid).
 """
 import difflib
+import inspect
 from typing import Callable, Dict, Optional, Tuple
 
 from torch import nn
@@ -53,4 +54,18 @@ def create_ffn(name: str, in_features: int, hidden_features: Optional[int] = Non
         close = difflib.get_close_matches(name, FFN_REGISTRY, n=3)
         hint = f'; did you mean {", ".join(close)}?' if close else ''
         raise ValueError(f'unknown FFN {name!r}{hint} (available: {", ".join(list_ffns())})')
+    _check_arguments(name, kwargs)
     return FFN_REGISTRY[name](in_features, hidden_features, out_features, layout=layout, **kwargs)
+
+
+def _check_arguments(name: str, kwargs: Dict) -> None:
+    """A misspelt knob (``kernel=5``) named with the ones the FFN has, before Python's bare TypeError."""
+    params = inspect.signature(FFN_REGISTRY[name]).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return  # a wrapper passing its keywords on: the class it builds checks them
+    known = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f'did you mean {", ".join(close)}? ' if close else ''
+            raise TypeError(f'FFN {name!r} has no argument {key!r}; {hint}(its arguments: {", ".join(known[3:])})')
