@@ -156,6 +156,7 @@ def saved(tmp_path):
 
 @pytest.mark.parametrize('case, message', [
     ('missing', 'does not exist'),
+    ('folder', 'a folder, not a file; give the .safetensors file'),
     ('garbage', 'not a readable safetensors file'),
     ('truncated', 'not a readable safetensors file'),
     ('foreign', 'not a vitblocks deployed checkpoint'),
@@ -165,7 +166,9 @@ def saved(tmp_path):
 def test_bad_checkpoints_are_clear_errors(saved, tmp_path, case, message):
     name, kwargs = 'repa_deit_tiny_patch16_224', dict(SMALL['repa_deit_tiny_patch16_224'][0])
     path = tmp_path / 'bad.safetensors'
-    if case == 'garbage':
+    if case == 'folder':
+        path = tmp_path
+    elif case == 'garbage':
         path.write_bytes(b'\x00not safetensors at all' * 8)
     elif case == 'truncated':
         data = saved.read_bytes()

@@ -173,6 +173,9 @@ def write_safetensors(model: nn.Module, path: PathLike, metadata: Dict[str, str]
 def read_deployed_metadata(path: PathLike) -> Dict[str, str]:
     """The metadata of a deployed checkpoint, after checking that it is one."""
     path = Path(path)
+    if path.is_dir():  # a run folder: its checkpoints are training form; `vitblocks export` writes the deployed file
+        raise DeployedCheckpointError(f'no deployed checkpoint at {path}: a folder, not a file; give the .safetensors '
+                                      f'file (`vitblocks export --format safetensors` writes one from a run)')
     if not path.is_file():
         raise DeployedCheckpointError(f'no deployed checkpoint at {path}: the file does not exist')
     try:
