@@ -150,6 +150,22 @@ def test_bench_weights_builds_an_any_size_baseline_without_the_files_img_size(tm
 
 # --- vitblocks export: --check fails, a deployed file is --weights, stale external data ------------------------
 
+@pytest.mark.parametrize('missing, purpose', [('onnxruntime', 'checking an ONNX export'), ('onnx', 'ONNX export'),
+                                              ('onnxscript', 'ONNX export')])
+def test_a_missing_onnx_package_is_named_before_anything_is_built_or_written(tmp_path, monkeypatch, capsys,
+                                                                             missing, purpose):
+    from vitblocks.cli import export as export_cmd
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == missing else find_spec(name, *a))
+    monkeypatch.setattr(export_cmd, '_model', lambda args: pytest.fail('built the model before naming ' + missing))
+    out = tmp_path / 'm.onnx'
+    code = main(['export', 'bench_repa_vit_tiny_patch4_32', '--format', 'onnx', '--out', str(out), '--check'])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.strip() == (f'vitblocks export: error: {purpose} needs {missing}: pip install {missing} '
+                                         f'(or pip install "vitblocks[export]")')
+    assert not out.exists()
+
+
 def test_export_check_fails_above_its_tolerance(tmp_path, monkeypatch, capsys):
     out = tmp_path / 'm.pt2'
     argv = ['export', 'bench_repa_vit_tiny_patch4_32', '--reparam', '--format', 'pt2', '--out', str(out), '--check']

@@ -8,7 +8,7 @@ from safetensors import SafetensorError
 
 from ..deploy import reparameterize
 from ..deploy.export import (FORMATS, ExportDependencyError, check_export, export_onnx, export_pt2, export_torchscript,
-                             traced_batch_size)
+                             require_packages, traced_batch_size)
 from ..deploy.io import (DeployedCheckpointError, is_deployed_file, load_deployed, read_deployed_metadata,
                          recorded_preprocessing, recorded_sizes, save_deployed)
 from ..profile import count_params, input_size_of
@@ -164,6 +164,14 @@ def _check_args(args) -> None:
 def run(args) -> int:
     _check_args(args)
     check_writable_file(Path(args.out), '--out')  # before a possibly long build and trace
+    if args.format == 'onnx':  # a missing package named before the build and the export, not after the file is written
+        try:
+            dynamo = ('onnxscript',) if args.onnx_exporter == 'dynamo' else ()
+            require_packages('onnx', *dynamo, purpose='ONNX export')
+            if args.check:
+                require_packages('onnxruntime', purpose='checking an ONNX export')
+        except ExportDependencyError as e:
+            raise CliError(str(e)) from None
     if args.format == 'torchscript':
         print('vitblocks export: warning: --format torchscript is deprecated (torch deprecates TorchScript); use '
               '--format pt2', file=sys.stderr)

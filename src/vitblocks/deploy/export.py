@@ -30,7 +30,7 @@ from ..profile import input_size_of
 from .io import written_in_place_at_the_end
 
 __all__ = ['export_pt2', 'export_onnx', 'export_torchscript', 'check_export', 'example_input', 'traced_batch_size',
-           'ExportDependencyError', 'FORMATS', 'ONNX_PROTOBUF_LIMIT', 'weight_bytes']
+           'ExportDependencyError', 'require_packages', 'FORMATS', 'ONNX_PROTOBUF_LIMIT', 'weight_bytes']
 
 FORMATS = ('pt2', 'onnx', 'torchscript')  # torchscript: deprecated, kept for existing users
 ONNX_PROTOBUF_LIMIT = 2 ** 31  # bytes; an ONNX file holding more weights must keep them as external data
@@ -42,7 +42,8 @@ class ExportDependencyError(ImportError):
     """An optional package needed for ONNX export or checking is missing (the message says which)."""
 
 
-def _require(*packages: str, purpose: str) -> None:
+def require_packages(*packages: str, purpose: str) -> None:
+    """``ExportDependencyError`` naming the optional ``packages`` not installed (with the pip command)."""
     missing = [p for p in packages if importlib.util.find_spec(p) is None]
     if missing:
         raise ExportDependencyError(f'{purpose} needs {", ".join(missing)}: pip install {" ".join(missing)} '
@@ -116,7 +117,7 @@ def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[
             file. Default: only when they exceed protobuf's 2 GB limit, so smaller models stay one
             self-contained file. Keep the two files together; onnxruntime reads both.
     """
-    _require('onnx', *(('onnxscript',) if dynamo else ()), purpose='ONNX export')
+    require_packages('onnx', *(('onnxscript',) if dynamo else ()), purpose='ONNX export')
     if external_data and not dynamo:
         raise ValueError('external_data is an option of the dynamo exporter; drop it or use dynamo=True')
     path = _prepare(model, path)
@@ -191,7 +192,7 @@ def check_export(path: PathLike, model: nn.Module, input_size: Optional[Sequence
     p = next(model.parameters())
     expected = model(x.to(p.device, p.dtype)).float().cpu()
     if path.suffix == '.onnx':
-        _require('onnxruntime', purpose='checking an ONNX export')
+        require_packages('onnxruntime', purpose='checking an ONNX export')
         import onnxruntime
         session = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider'])
         name = session.get_inputs()[0].name
