@@ -29,3 +29,14 @@ def perturb_(module: nn.Module, std: float = 0.1, batchnorm: bool = False) -> nn
                 m.running_mean.normal_(0, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
     return module
+
+
+def assert_autocast_runs_the_reference_path(layer: nn.Module, x: torch.Tensor) -> None:
+    """Under CPU bf16 autocast, ``layer`` without autograd (its inference path, whose ``out=`` matmuls autocast
+    does not cast) must give the bf16 output of its reference path (autograd on), exactly."""
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        with torch.inference_mode():
+            out = layer(x)
+        ref = layer(x)  # autograd on: the reference path
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

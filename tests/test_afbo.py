@@ -20,6 +20,7 @@ from vitblocks.layers.channel_maps import (DenseChannelMap, GroupedChannelMap, G
 from vitblocks.layers.ffn_counterparts import ConvGLU, ConvNeXtFFN, LocalViTFFN
 from vitblocks.papers import load_paper
 from vitblocks.profile import count_macs, count_params, fixed_threads
+from _helpers import assert_autocast_runs_the_reference_path
 
 D, HID = 24, 96  # small widths: every group number below divides them
 
@@ -323,13 +324,8 @@ def test_cpu_autocast_runs_the_reference_path():
     under CPU bf16 autocast AFBO ran them in fp32 (vitblocks bench --amp bf16 timed fp32 AFBO against a bf16
     baseline). Under autocast the reference path runs, in the dtype asked for."""
     layout, x = _layer_input('tokens+prefix')
-    layer = _randomize(AFBO(D, HID, layout=layout)).eval()
-    with torch.autocast('cpu', dtype=torch.bfloat16):
-        with torch.inference_mode():
-            out = layer(x)
-        ref = layer(x)  # autograd on: the reference path
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert_autocast_runs_the_reference_path(_randomize(AFBO(D, HID, layout=layout)).eval(), x)
+
 
 def test_channels_first_equals_tokens():
     """The same layer on a PoolFormer-style (B, C, H, W) map and on the equivalent tokens."""

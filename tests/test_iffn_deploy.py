@@ -13,7 +13,7 @@ import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.deploy import reparameterize
 from vitblocks.layers import IFFN, ConcatArbitraryActivations
 from vitblocks.layers.iffn import DepthwiseBlock
-from _helpers import perturb_
+from _helpers import assert_autocast_runs_the_reference_path, perturb_
 
 RTOL = 1e-5  # relative error allowed between training form (eval) and deploy form, fp32
 
@@ -254,13 +254,7 @@ def test_cpu_autocast_runs_the_reference_path():
     batch under bf16 autocast ran fc2 in fp32 and returned fp32 (vitblocks bench --amp bf16 timed fp32 there)."""
     deployed = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1), std=0.2, batchnorm=True).eval().fuse()
     deployed.inference_chunk_bytes = 1  # one image per slice, as a large batch is sliced
-    x = torch.randn(3, 13, 16)
-    with torch.autocast('cpu', dtype=torch.bfloat16):
-        with torch.inference_mode():
-            out = deployed(x)
-        ref = deployed(x)  # autograd on: the reference path
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert_autocast_runs_the_reference_path(deployed, torch.randn(3, 13, 16))
 
 def test_deploy_form_errors_like_training_form():
     deployed = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1, deploy=True).eval()
