@@ -148,6 +148,20 @@ def test_bench_weights_builds_an_any_size_baseline_without_the_files_img_size(tm
         bench_cmd._models(_bench_args(img_size=[32]), 'bench_repa_vit_tiny_patch4_32', 'poolformer_s12')
 
 
+def test_bench_weights_times_an_any_size_model_at_the_input_size_its_file_records(tmp_path):
+    pool = timm.create_model('poolformer_s12', num_classes=10).eval()
+    weights = save_deployed(pool, tmp_path / 'pool.safetensors',
+                            preprocessing=dict(input_size=[3, 32, 32], mean=[0.5] * 3, std=[0.25] * 3))
+    args = _bench_args(weights=str(weights), input_size=None)
+    models = bench_cmd._models(args, 'poolformer_s12', None)
+    assert bench_cmd._input_size(args, models['poolformer_s12']) == (3, 32, 32)  # was the config's (3, 224, 224)
+    given = _bench_args(weights=str(weights), input_size=None, img_size=[64])
+    assert bench_cmd._input_size(given, models['poolformer_s12']) == (3, 224, 224)  # --img-size: the model's own
+    assert bench_cmd._input_size(_bench_args(weights=str(weights), input_size=[3, 48, 48]), pool) == (3, 48, 48)
+    plain = save_deployed(pool, tmp_path / 'plain.safetensors')  # no preprocessing recorded
+    assert bench_cmd._input_size(_bench_args(weights=str(plain), input_size=None), pool) == (3, 224, 224)
+
+
 # --- vitblocks export: --check fails, a deployed file is --weights, stale external data ------------------------
 
 @pytest.mark.parametrize('missing, purpose', [('onnxruntime', 'checking an ONNX export'), ('onnx', 'ONNX export'),

@@ -6,7 +6,7 @@ import timm
 import torch
 from timm.utils import reparameterize_model
 
-from ..deploy.io import model_sizes
+from ..deploy.io import model_sizes, read_deployed_metadata, recorded_preprocessing
 from ..experiments.runlog import write_json
 from ..profile import (AMP_DTYPES, COMPILE_MODES, AllocatorError, BenchOptionError, amp_kernel_note, benchmark_models,
                        check_bench_options, count_params, fault_note, input_size_of, steady_malloc, timm_record)
@@ -28,7 +28,8 @@ examples:
   vitblocks bench afbo_deit_tiny_patch16_224 --baseline deit_tiny_patch16_224 --threads 2 --steady-malloc
 
 --num-classes / --img-size build MODEL and the baseline alike; --weights (a deployed safetensors file,
-implies --reparam) brings its own, which the baseline is then built with.
+implies --reparam) brings its own, which the baseline is then built with, and is timed at the input size
+the file records (unless --img-size or --input-size is given).
 
 Models run one timed batch each per round (interleaved), so machine drift hits them alike. Times are
 ms per batch (median, p10, p90 over --repeats batches): wall clock on the CPU, CUDA events on a GPU
@@ -123,6 +124,18 @@ def _baseline(name: str, sizes: dict, from_file: bool):
         return build_model(name, base_kwargs={k: v for k, v in sizes.items() if k != 'img_size'})
 
 
+def _input_size(args, model) -> tuple:
+    """(C, H, W) to time: --input-size; else, for --weights without --img-size, the input size the deployed file
+    records (a PoolFormer deployed from a 32 px run is timed at 32 px, not at its config's 224); else the model's."""
+    if args.input_size:
+        return tuple(args.input_size)
+    if args.weights and not args.img_size:
+        recorded = recorded_preprocessing(read_deployed_metadata(Path(args.weights))).get('input_size')
+        if recorded:
+            return tuple(int(v) for v in recorded)
+    return input_size_of(model)
+
+
 def run(args) -> int:
     _check_args(args)
     allocator = None
@@ -135,7 +148,7 @@ def run(args) -> int:
     baseline = resolve(args.baseline) if args.baseline else None
     models = _models(args, name, baseline)
     params = {k: count_params(m) for k, m in models.items()}  # before compiling (and timm counts them so too)
-    size = tuple(args.input_size) if args.input_size else input_size_of(models[name])
+    size = _input_size(args, models[name])
     try:
         results = benchmark_models(models, batch_size=args.batch_size, input_size=size, warmup=args.warmup,
                                    repeats=args.repeats, num_threads=args.threads, device=args.device,
