@@ -1,5 +1,4 @@
 """`vitblocks eval --model NAME --checkpoint PATH --data PATH [--reparam]`: accuracy, loss, speed."""
-import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -10,8 +9,7 @@ from timm.utils import reparameterize_model
 from ..data import DataError, build_dataset, eval_split_of
 from ..deploy.io import (DeployedCheckpointError, is_deployed_file, load_deployed, read_deployed_metadata,
                          recorded_preprocessing)
-from ..experiments import (CheckpointError, ConfigError, TrainConfig, evaluate, load_model_weights, merge,
-                           parse_overrides)
+from ..experiments import CheckpointError, ConfigError, evaluate, load_model_weights, merge, parse_overrides
 from ..experiments.checkpoint import FORMAT, read_checkpoint
 from ..experiments.distributed import init_distributed
 from ..experiments.robustness import ROBUSTNESS_SETS, mean_corruption_error, robustness_sets
@@ -84,13 +82,12 @@ EVAL_READS = frozenset({'model', 'model_kwargs', 'num_classes', 'data', 'val_spl
 EVAL_FLAG_FOR = {'threads': '--threads', 'progress': '--progress', 'model_ema': '--ema'}
 
 
-def refuse_training_only(items) -> None:
-    """KEY=VALUE items that evaluation never reads are an error that names them as typed (and eval's flag, if it
-    has one). Unknown keys are left to ``merge`` (it suggests the nearest key)."""
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    typed = {item.split('=', 1)[0].strip(): item for item in items or ()}
-    ignored = sorted(set(typed) & known - EVAL_READS)
+def refuse_training_only(overrides: dict, items) -> None:
+    """Parsed KEY=VALUE ``overrides`` (keys known and values checked by ``parse_overrides``) that evaluation never
+    reads are an error that names them as typed in ``items`` (and eval's flag, if it has one)."""
+    ignored = sorted(set(overrides) - EVAL_READS)
     if ignored:
+        typed = {item.partition('=')[0].strip(): item for item in items}
         flags = [f'{EVAL_FLAG_FOR[k]} instead of {k}=' for k in ignored if k in EVAL_FLAG_FOR]
         raise CliError(f'{", ".join(typed[k] for k in ignored)}: only training reads '
                        f'{"this key" if len(ignored) == 1 else "these keys"}; evaluation would ignore '
@@ -106,8 +103,8 @@ def _flags(args, overrides) -> dict:
     return flags
 
 
-def _load(args):
-    """(config, state_dict, checkpoint metadata or {})"""
+def _load(args, overrides: dict):
+    """(config, state_dict, checkpoint metadata or {}); ``overrides``: the parsed KEY=VALUE items"""
     path = Path(args.checkpoint)
     meta = {}
     if path.suffix != '.safetensors':
@@ -123,11 +120,10 @@ def _load(args):
         base['model'] = args.model
     if not base.get('model'):
         raise CliError(f'{path} is not a vitblocks run checkpoint; say which model it holds with --model')
-    overrides = parse_overrides(args.overrides)
     return merge(base, EVAL_DEFAULTS, overrides, _flags(args, overrides)), state, meta
 
 
-def _load_deployed(args, path: Path):
+def _load_deployed(args, path: Path, overrides: dict):
     """(config, model in deploy form with the file's weights, checkpoint-like metadata) for a deployed
     safetensors file: built by the name and sizes the file records, loaded strictly (``load_deployed``)."""
     metadata = read_deployed_metadata(path)
@@ -144,7 +140,6 @@ def _load_deployed(args, path: Path):
     if args.reparam:
         print(f'vitblocks eval: note: {path} is already deployed (re-parameterized); --reparam does nothing',
               file=sys.stderr)
-    overrides = parse_overrides(args.overrides)
     recorded = recorded_preprocessing(metadata)
     for key in sorted(set(recorded) & set(overrides)):
         given = overrides[key] if isinstance(overrides[key], str) else [float(v) for v in overrides[key]]
@@ -206,11 +201,12 @@ def run(args) -> int:
         check_writable_file(Path(args.json), '--json')  # before the evaluation, not after it
     deployed = is_deployed_file(args.checkpoint)
     try:
-        refuse_training_only(args.overrides)  # before any checkpoint or data is read
+        overrides = parse_overrides(args.overrides)
+        refuse_training_only(overrides, args.overrides)  # before any checkpoint or data is read
         if deployed:
-            cfg, model, meta = _load_deployed(args, Path(args.checkpoint))
+            cfg, model, meta = _load_deployed(args, Path(args.checkpoint), overrides)
         else:
-            cfg, state, meta = _load(args)
+            cfg, state, meta = _load(args, overrides)
         device = resolve_device(cfg.device)
         dist = init_distributed(device.type)
         if device.type == 'cuda' and dist.enabled:
@@ -220,7 +216,7 @@ def run(args) -> int:
         if args.robustness:
             sets = robustness_sets(args.robustness, Path(cfg.data))
         else:
-            explicit = args.split is not None or 'val_split' in parse_overrides(args.overrides)  # not a run's own
+            explicit = args.split is not None or 'val_split' in overrides  # not a run's own
             split = cfg.val_split if explicit else eval_split_of(cfg.data)
             ds = _open_split(cfg, split, explicit, classes)
             num_classes = num_classes or ds.num_classes

@@ -353,6 +353,7 @@ def swap_class_block_ffns(model: LVT, name: str, **cfg) -> int:
 
 
 _CHANNEL_ONLY = {'iffn': dict(spatial_part=False), 'afbo': dict(order='cm', spatial=None)}
+_AFBO_LVT_GROUPS = dict(gccm_groups=2, occm_groups=2)  # G1, G2 of afbo_lvt (AFBO Table 2)
 
 
 def _swap_everywhere(name: str, model_groups: Optional[Dict[str, int]] = None):
@@ -374,8 +375,8 @@ def _register_variants():
         name='iffn_lvt', method='iffn', base='lvt', build=_swap_everywhere('iffn'), cfg=dict(kernel_size=5),
         description='IFFN Table 1 LVT + IFFN* (5x5 depthwise; class-attention blocks: channel part only)'))
     register_variant(VariantSpec(
-        name='afbo_lvt', method='afbo', base='lvt', build=_swap_everywhere('afbo', dict(gccm_groups=2, occm_groups=2)),
-        cfg=dict(gccm_groups=2, occm_groups=2),
+        name='afbo_lvt', method='afbo', base='lvt', build=_swap_everywhere('afbo', _AFBO_LVT_GROUPS),
+        cfg=dict(_AFBO_LVT_GROUPS),
         description='AFBO Table 2 LVT + AFBO (G1=2, G2=2: 3 divides no LVT width; class-attention blocks: '
                     'channel mapping only)'))
 

@@ -106,35 +106,35 @@ def _track_stage_grid(downsample: nn.Module, args: Tuple[torch.Tensor], output: 
     downsample._vitblocks_layout.grid_size = (output.shape[-2], output.shape[-1])
 
 
+def _tracked_layout(module: nn.Module, make: Callable[[], TokenLayout], hook: Callable,
+                    pre: bool = False) -> TokenLayout:
+    """The layout kept on ``module`` (made and attached on first use, with ``hook`` registered as its forward
+    hook, or pre-hook with ``pre``, to keep its grid current); the same one for every slot that asks again."""
+    layout = getattr(module, '_vitblocks_layout', None)
+    if layout is None:
+        layout = make()
+        _attach(module, layout)
+        (module.register_forward_pre_hook if pre else module.register_forward_hook)(hook)
+    return layout
+
+
 def _stage_token_layout(stage: nn.Module) -> TokenLayout:
     """One layout for the blocks of a channels-last MetaFormer stage: timm's ``MetaFormerStage`` reshapes the
     downsampled ``(B, C, H, W)`` map to tokens ``(B, H*W, C)`` (no prefix), so a hook on its downsampling
     records the grid of every forward."""
-    layout = getattr(stage.downsample, '_vitblocks_layout', None)
-    if layout is None:
-        layout = TokenLayout(None, 0)
-        _attach(stage.downsample, layout)
-        stage.downsample.register_forward_hook(_track_stage_grid)
-    return layout
+    return _tracked_layout(stage.downsample, lambda: TokenLayout(None, 0), _track_stage_grid)
 
 
 def _shared_patch_layout(patch_embed: nn.Module, num_prefix_tokens: int) -> TokenLayout:
     """One layout for all blocks of a plain ViT/Mixer, kept current by a hook on the patch embed."""
-    layout = getattr(patch_embed, '_vitblocks_layout', None)
-    if layout is None:
-        layout = TokenLayout(tuple(patch_embed.grid_size), num_prefix_tokens)
-        _attach(patch_embed, layout)
-        patch_embed.register_forward_hook(_track_patch_grid)
-    return layout
+    return _tracked_layout(patch_embed, lambda: TokenLayout(tuple(patch_embed.grid_size), num_prefix_tokens),
+                           _track_patch_grid)
 
 
 def _block_layout(block: nn.Module, grid_size) -> TokenLayout:
-    layout = getattr(block, '_vitblocks_layout', None)
-    if layout is None:
-        layout = TokenLayout(tuple(grid_size) if grid_size is not None else None, 0)
-        _attach(block, layout)
-        block.register_forward_pre_hook(_track_block_grid)
-    return layout
+    """A Swin block's layout, kept current by a pre-hook on the block (its input is ``(B, H, W, C)``)."""
+    return _tracked_layout(block, lambda: TokenLayout(tuple(grid_size) if grid_size is not None else None, 0),
+                           _track_block_grid, pre=True)
 
 
 def _attach(module: nn.Module, layout: TokenLayout) -> None:
