@@ -186,6 +186,31 @@ def test_block_cfg_reaches_the_gating_unit():
     assert model.blocks[0].attn.mixer.mlp_tokens.drop1.p == 0.5
 
 
+def test_torch_init_starts_every_layer_as_the_authors_script():
+    """block_cfg init='torch': the script's model has no init code, so every linear starts Kaiming-uniform
+    (|w| <= 1/sqrt(fan_in), std 1/sqrt(3 fan_in)) with a uniform bias; timm's init is trunc-normal 0.02, bias 0."""
+    torch.manual_seed(0)
+    timm_init = timm.create_model('ninformer_vit_patch4_32')
+    torch.manual_seed(0)
+    torch_init = timm.create_model('ninformer_vit_patch4_32', block_cfg=dict(init='torch', drop=0.5))
+    assert torch_init.blocks[0].attn.mixer.mlp_tokens.drop1.p == 0.5  # the other keys still reach the build
+    assert count_params(torch_init) == count_params(timm_init) == 2_652_170
+    linears = [(n, m) for n, m in torch_init.named_modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 4 * 7 + 1  # per block: proj, token fc1/fc2, channel fc1/fc2, FFN fc1/fc2; the head
+    for name, m in linears:
+        bound = m.in_features ** -0.5
+        assert m.weight.abs().max() <= bound and m.bias.abs().max() <= bound and m.bias.abs().max() > bound / 2, name
+        assert abs(m.weight.std().item() / (bound / 3 ** 0.5) - 1) < 0.1, name
+    fc1 = timm_init.blocks[0].mlp.fc1
+    assert abs(fc1.weight.std().item() - 0.02) < 0.002 and not fc1.bias.any()
+    assert not timm_init.blocks[0].attn.mixer.mlp_tokens.fc1.bias.any()
+    # the norms start as identity either way, and the shared norm is still shared
+    assert torch_init.blocks[0].norm2 is torch_init.blocks[0].norm1
+    assert torch.equal(torch_init.blocks[0].norm1.weight, torch.ones(256))
+    with pytest.raises(ValueError, match="init='xavier'.*'timm'.*'torch'"):
+        timm.create_model('ninformer_vit_patch4_32', block_cfg=dict(init='xavier'))
+
+
 def test_paper_table_rows_match_their_models():
     paper = load_paper('ninformer')
     assert [t.number for t in paper.tables] == ['1-MNIST', '1-CIFAR10', '1-CIFAR100']

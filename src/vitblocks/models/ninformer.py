@@ -37,6 +37,10 @@ Interpretation notes:
   (Eq. 10), each after its activation and after its second linear layer. Default 0 here;
   ``block_cfg=dict(drop=0.5)`` reproduces the script for NiNformer (all three MLPs), as
   ``mlp_drop=0.5`` does for training (``vitblocks.experiments.setup.mlp_dropout_kwargs``).
+* Initialization: the paper states none; the authors' script has no initialization code, so its
+  layers start from PyTorch's defaults. Default here: timm's ViT initialization, like the three
+  baselines (which have no public script); ``block_cfg=dict(init='torch')`` starts NiNformer as
+  the script does (:func:`reset_to_torch_init`).
 """
 from functools import partial
 
@@ -51,7 +55,8 @@ from ..layers.gating import MixerGatingUnit, check_mlp_widths
 from .registry import VariantSpec, register_variant
 from .surgery import swap_ffn
 
-__all__ = ['swap_gating_unit', 'mixer_blocks', 'MaskFreeVisionTransformer', 'NINFORMER_MODELS', 'NINFORMER_PAPER_SETTINGS']
+__all__ = ['swap_gating_unit', 'reset_to_torch_init', 'mixer_blocks', 'MaskFreeVisionTransformer', 'NINFORMER_MODELS',
+           'NINFORMER_PAPER_SETTINGS']
 
 # Sec. 4: patch 4, width 256, 4 layers, 4 heads, MLP 512; inner Mixer token / channel MLP 512
 NINFORMER_PAPER_SETTINGS = dict(patch_size=4, embed_dim=256, depth=4, num_heads=4, mlp_dim=512,
@@ -102,8 +107,30 @@ def _set_ffn_dropout(mlp: nn.Module, p: float) -> None:
         setattr(mlp, name, nn.Dropout(p))
 
 
+WEIGHT_INITS = ('timm', 'torch')
+
+
+def reset_to_torch_init(model: nn.Module) -> int:
+    """Give every layer of ``model`` PyTorch's own default initialization (each module's
+    ``reset_parameters``: Kaiming-uniform linears and convolutions with uniform biases, identity
+    norms), undoing timm's ViT initialization (trunc-normal 0.02, zero biases). The NiNformer authors'
+    script has no initialization code, so its model starts this way. Parameters that are no layer's
+    (a position embedding, a class token) keep theirs. Returns the number of layers reset."""
+    layers = [m for m in model.modules() if callable(getattr(m, 'reset_parameters', None))]
+    for m in layers:
+        m.reset_parameters()
+    return len(layers)
+
+
 def _build_ninformer(model, cfg):
+    cfg = dict(cfg)
+    init = cfg.pop('init', 'timm')
+    if init not in WEIGHT_INITS:
+        raise ValueError(f"block_cfg init={init!r}: use 'timm' (timm's ViT initialization, the default) or 'torch' "
+                         f"(PyTorch's defaults, as the authors' script)")
     swap_gating_unit(model, **cfg)
+    if init == 'torch':
+        reset_to_torch_init(model)
 
 
 def _build_vit(model, cfg):
@@ -169,7 +196,8 @@ _INPUTS = {'32': dict(img_size=32, in_chans=3), '28': dict(img_size=28, in_chans
 # (name without the input suffix, timm base, base args, build, block config, what it is, params at 32 / 28)
 NINFORMER_MODELS = (
     ('ninformer_vit_patch4', 'vit_tiny_patch16_224', _VIT_ARGS, _build_ninformer,
-     dict(token_mlp_dim=_P['token_mlp_dim'], channel_mlp_dim=_P['channel_mlp_dim'], shared_norm=True, drop=0.),
+     dict(token_mlp_dim=_P['token_mlp_dim'], channel_mlp_dim=_P['channel_mlp_dim'], shared_norm=True, drop=0.,
+          init='timm'),
      'NiNformer (paper Sec. 3.2/4): gating unit with MLP-Mixer sub-unit (token/channel MLP 512) + MLP 512, '
      'shared LayerNorm', (2_652_170, 2_582_478)),
     ('ninformer_baseline_vit_patch4', 'vit_tiny_patch16_224', dict(_VIT_ARGS, pos_embed='learn'), _build_vit, {},
