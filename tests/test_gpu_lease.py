@@ -36,7 +36,7 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
            'SWEEP_FLAGS': '--device cpu --img-size 32 --batches 1 --precisions fp32 --compile eager --warmup 0 '
                           '--repeats 1 --groups deit_tiny',
            'PROFILE_FLAGS': '--device cpu --img-size 32 --batch 2 --repeats 1',
-           'PROFILE_MODELS': 'iffn_deit_tiny_patch16_224'}
+           'PROFILE_MODELS': 'iffn_deit_tiny_patch16_224', 'T1_SEED': ''}  # the committed GPU runs: not these runs'
 
     def call(seconds):
         return subprocess.run(['bash', 'scripts/gpu_lease.sh', str(seconds)], cwd=tmp_path, env=env,
@@ -52,7 +52,7 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     assert 'Table 1: 8 of 8 runs finished' in second.stdout and 'lease job: done' in second.stdout, \
         second.stdout + (tmp_path / 'runs/gpu-t1.log').read_text()[-3000:]
     log = (tmp_path / 'runs/lease.log').read_text()
-    assert 'table1 exit 0' in log and 'profile iffn_deit_tiny_patch16_224 exit 0' in log and 'sweep exit 0' in log
+    assert 'table1 exit 0' in log and 'torchinit exit 0' in log and 'profile iffn_deit_tiny_patch16_224 exit 0' in log and 'sweep exit 0' in log
     # the committed H100 sweep was seeded in, refused on this other setup, and set aside, not mixed in
     assert (tmp_path / 'runs/gpu15-other-setup/env.json').is_file()
     assert json.loads((tmp_path / 'runs/gpu15/env.json').read_text())['img_size'] == 32
@@ -67,6 +67,10 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     fp32 = yaml.safe_load((tmp_path / 'runs/gpu-t1-fp32/mnist/ninformer_vit_patch4_28/config.yaml').read_text())
     assert fp32['matmul_precision'] == 'highest' and 'rechecks: 8 row(s) rerun' in log
     assert 'rechecks (8 ablation runs finished):' in second.stdout
+    # beside Table 1, CIFAR-10's NiNformer row from PyTorch's default init (the authors' script)
+    assert 'runs/gpu-t1-torchinit/cifar10/ninformer_vit_patch4_32/results.json' in names
+    ablation = yaml.safe_load((tmp_path / 'runs/gpu-t1-torchinit/cifar10/ninformer_vit_patch4_32/config.yaml').read_text())
+    assert ablation['model_kwargs'] == {'block_cfg': {'init': 'torch'}} and ablation['mlp_drop'] == 0.5
     # each run's progress line (its last test row), and no stop record: none stopped early
     assert 'runs/gpu-t1/cifar10/ninformer_vit_patch4_32/metrics.csv 1,' in second.stdout
     assert '  stopped: ' not in second.stdout
@@ -78,3 +82,64 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     third = call(5)  # nothing left: no new job
     assert 'lease job finished in an earlier call' in third.stdout
     assert (tmp_path / 'runs/lease.log').read_text().count('lease job started') == 1
+
+
+def _lease_dir(tmp_path):
+    for d in ('src', 'scripts'):
+        (tmp_path / d).symlink_to(ROOT / d)
+    return tmp_path
+
+
+def _finished_or_not(root, runs):
+    for run, finished in runs.items():
+        (root / run).mkdir(parents=True)
+        for name in ('config.yaml', 'metrics.csv') + (('results.json',) if finished else ()):
+            (root / run / name).write_text(f'{run} {name}')
+
+
+def test_a_fresh_lease_reuses_the_committed_finished_runs(tmp_path):
+    """A lease on a fresh machine with no earlier results.tgz starts from the runs committed finished (Table 1's
+    and the init ablation's), each in the folder its command writes, so only the rest train; an unfinished one,
+    whose checkpoint never left its machine, is not copied."""
+    lease = _lease_dir(tmp_path)
+    seed = lease / 'seed'
+    _finished_or_not(seed, {'cifar10/ninformer_baseline_vit_patch4_32': True, 'mnist/ninformer_vit_patch4_28': False})
+    _finished_or_not(lease / 'seed_torchinit', {'cifar10/ninformer_vit_patch4_32': True})
+    env = {**os.environ, 'PYTHON': sys.executable, 'T1_SEED': 'seed'}
+    out = subprocess.run(['bash', 'scripts/gpu_lease.sh', '--unpack-only'], cwd=lease, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    runs = lease / 'runs'
+    assert sorted(p.relative_to(runs).as_posix() for p in runs.rglob('results.json')) == [
+        'gpu-t1-torchinit/cifar10/ninformer_vit_patch4_32/results.json',
+        'gpu-t1/cifar10/ninformer_baseline_vit_patch4_32/results.json']
+    assert (runs / 'gpu-t1/cifar10/ninformer_baseline_vit_patch4_32/metrics.csv').read_text() == \
+        'cifar10/ninformer_baseline_vit_patch4_32 metrics.csv'
+    assert not (runs / 'gpu-t1/mnist').exists()
+    assert 'reused committed run runs/gpu-t1/cifar10/ninformer_baseline_vit_patch4_32' in (runs / 'lease.log').read_text()
+    assert not (runs / 'lease.pid').exists()  # --unpack-only starts no job
+
+
+def test_an_earlier_leases_results_win_over_the_committed_runs(tmp_path):
+    lease = _lease_dir(tmp_path)
+    _finished_or_not(lease / 'seed', {'cifar10/ninformer_baseline_vit_patch4_32': True})
+    _finished_or_not(lease / 'earlier/runs/gpu-t1', {'mnist/ninformer_vit_patch4_28': True})
+    (lease / '.gpu_state').mkdir()
+    with tarfile.open(lease / '.gpu_state/results.tgz', 'w:gz') as tar:
+        tar.add(lease / 'earlier/runs', arcname='runs')
+    env = {**os.environ, 'PYTHON': sys.executable, 'T1_SEED': 'seed'}
+    subprocess.run(['bash', 'scripts/gpu_lease.sh', '--unpack-only'], cwd=lease, env=env, check=True, timeout=60)
+    assert [p.relative_to(lease / 'runs').as_posix() for p in (lease / 'runs').rglob('results.json')] == [
+        'gpu-t1/mnist/ninformer_vit_patch4_28/results.json']
+
+
+def test_the_committed_table1_runs_are_the_ones_the_lease_reuses():
+    """What the lease seeds from: finished runs of the current recipe, each with what a reuse reads."""
+    seed = ROOT / 'docs/results/ninformer_table1_h100'
+    runs = sorted(p.parent for p in seed.glob('*/*/results.json'))
+    assert len(runs) >= 5
+    for run in runs:
+        cfg = yaml.safe_load((run / 'config.yaml').read_text())
+        assert (cfg['recipe'], cfg['epochs'], cfg['mlp_drop'], cfg['amp'], cfg['data']) == \
+            ('ninformer', 100, 0.5, False, f'.gpu_data/{run.parent.name}')
+        assert json.loads((run / 'results.json').read_text())['epochs'] == 100.0
