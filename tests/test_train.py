@@ -561,6 +561,30 @@ def test_reproduce_ninformer_table1_with_a_budget(tmp_path, capsys):
     assert code == 0, err
     assert load_checkpoint(run_dir / 'last.pth')['global_step'] == 2
     assert yaml.safe_load((run_dir / 'config.yaml').read_text())['max_steps'] == 2
+    # --no-train prints the runs as they are: this one finished, the ViT row not run, nothing trains
+    def row(out, label='NiNformer (ours)'):
+        return next(line for line in out.splitlines() if line.startswith(label))
+
+    line3 = row(out3)
+    code, out4, err = run_cli(capsys, *argv, '--no-train')
+    assert code == 0 and line3 in out4, err
+    stamp = (run_dir / 'results.json').stat().st_mtime_ns
+    argv[argv.index('--max-steps') + 1] = 5  # a larger budget: the run holds 2 of its 5 steps
+    code, out5, err = run_cli(capsys, *argv, '--no-train')
+    assert code == 0, err
+    assert line3.split()[2:4] == row(out5).split()[2:4]
+    assert 'mnist: ninformer_vit_patch4_28: unfinished, its last test evaluation (epoch ' in out5
+    assert (run_dir / 'results.json').stat().st_mtime_ns == stamp
+    assert load_checkpoint(run_dir / 'last.pth')['global_step'] == 2
+    models = argv.index('--models') + 1
+    code, out6, _ = run_cli(capsys, *argv[:models], 'ViT', *argv[models + 1:], '--no-train')
+    assert code == 0 and 'mnist: ninformer_baseline_vit_patch4_28: not run yet' in out6
+    assert row(out6, 'ViT').split()[1:3] == ['-', '-']
+    code, _, err = run_cli(capsys, *argv, 'lr=0.01', '--no-train')  # (after --set: another config)
+    assert code == 2 and 'another config (lr, max_steps differ)' in err
+    for flags in (['--jobs', 2], ['--time-limit', 60], ['--train-only']):
+        code, _, err = run_cli(capsys, *argv, '--no-train', *flags)
+        assert code == 2 and f'--no-train prints the runs as they are; {flags[0]} would train them' in err
 
 
 def test_reproduce_jobs_runs_each_model_in_its_own_process(tmp_path, capsys):

@@ -17,7 +17,7 @@ from .common import CliError, positive_float, positive_int, render_table
 
 NAME = 'reproduce'
 TARGETS = ('ninformer-table1', 'cifar10-blocks')
-_NINFORMER_ONLY = ('datasets', 'models', 'dropout')
+_NINFORMER_ONLY = ('datasets', 'models', 'dropout', 'no_train')
 _BLOCKS_ONLY = ('configs', 'seeds', 'no_latency', 'latency_batch', 'repeats')
 
 EPILOG = """\
@@ -28,6 +28,7 @@ examples:
   vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --set compile=true compile_mode=reduce-overhead
   vitblocks reproduce cifar10-blocks --device cuda --jobs 27 --set compile=true compile_mode=reduce-overhead
   vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --time-limit 1500   # a 30-minute GPU lease
+  vitblocks reproduce ninformer-table1 --output runs/gpu-t1 --no-train --set matmul_precision=high   # as they are
   vitblocks reproduce cifar10-blocks --configs vanilla,repa --seeds 0 --max-steps 20 --threads 2
 
 ninformer-table1: NiNformer's Table 1 (ViT, MlpMixer, LocalViT, NiNformer; --models takes row
@@ -65,6 +66,10 @@ def add_parser(subparsers) -> None:
     p.add_argument('--repeats', type=positive_int, help='cifar10-blocks: timed batches per model (default 10)')
     p.add_argument('--train-only', action='store_true', help='train (or reuse) the runs and print no table '
                                                              '(what --jobs children do)')
+    p.add_argument('--no-train', action='store_true',
+                   help='ninformer-table1: train nothing; print the table from the runs under --output as they '
+                        'are (an unfinished run: its last test evaluation, marked; a missing one: empty), e.g. '
+                        'runs copied back from a GPU lease')
     p.add_argument('--epochs', type=positive_int, help='epochs per run (default: the recipe\'s)')
     p.add_argument('--max-steps', type=positive_int, help='stop each run after this many steps (a budget)')
     p.add_argument('--train-subset', type=positive_int, metavar='N', help='train on a fixed random N images')
@@ -151,6 +156,10 @@ def _ninformer(args) -> int:
     if unknown:
         raise CliError(f'--datasets: unknown {", ".join(unknown)}; Table 1 has {", ".join(NINFORMER_DATASETS)}')
     dropout = 0.5 if args.dropout is None else args.dropout
+    if args.no_train:
+        contradicting = _given(args, ('train_only', 'time_limit')) + (['--jobs'] if args.jobs > 1 else [])
+        if contradicting:
+            raise CliError(f'--no-train prints the runs as they are; {", ".join(contradicting)} would train them')
     t0 = time.perf_counter()
     models = args.models.split(',') if args.models else None
     jobs = ninformer_jobs(datasets, models)  # every --models name must match a row, before anything trains
@@ -166,7 +175,7 @@ def _ninformer(args) -> int:
     runs = ninformer_table1(datasets, epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,
                             test_subset=args.test_subset, device=args.device, data_root=args.data_root,
                             output=args.output, dropout=dropout, threads=args.threads, models=models,
-                            extra=parse_overrides(args.overrides))
+                            extra=parse_overrides(args.overrides), train=not args.no_train)
     if args.train_only:
         for r in runs:
             print(f'{r.dataset} {r.label}: ' + (f'top-1 {r.top1:.2f} ({r.run_dir})' if r.top1 is not None else r.note))

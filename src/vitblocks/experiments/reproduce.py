@@ -23,10 +23,10 @@ from ..papers import load_paper
 from ..profile import count_params
 from .config import RESUME_CHANGEABLE, TrainConfig, load_config, load_recipe, merge
 from .engine import train
-from .runlog import read_stop_record
+from .runlog import read_metrics, read_stop_record
 from .setup import create_model
 
-__all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'ninformer_config', 'ninformer_jobs',
+__all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'read_run', 'ninformer_config', 'ninformer_jobs',
            'ninformer_data', 'table_rows', 'find_dataset', 'run_or_reuse', 'select_rows', 'budget_overrides',
            'ninformer_rechecks', 'ninformer_log', 'ninformer_own_models']
 
@@ -108,6 +108,33 @@ def run_or_reuse(cfg: TrainConfig, run_dir: Path) -> Dict:
     return json.loads(results.read_text())
 
 
+def read_run(cfg: TrainConfig, run_dir: Path) -> Optional[Dict]:
+    """What ``run_dir`` holds of a run of ``cfg``, without training: a finished run's results (as
+    ``run_or_reuse`` reuses them), else the progress of the same run stopped or still going (another budget
+    included): ``final.top1`` of its last test evaluation, ``best_top1``, ``epochs``, ``global_step``,
+    ``seconds`` from metrics.csv, and ``unfinished: True``. None if there is no run or no test evaluation yet;
+    a run of another config is an error, as for ``run_or_reuse``."""
+    if not (run_dir / 'config.yaml').exists():
+        return None
+    done = load_config(run_dir / 'config.yaml').to_dict()
+    changed = {k for k, v in cfg.to_dict().items() if done.get(k) != v}
+    if changed <= _SAME_RESULT and (run_dir / 'results.json').exists():
+        results = json.loads((run_dir / 'results.json').read_text())
+        _check_same_model(cfg, results, run_dir)
+        return results
+    if changed - RESUME_CHANGEABLE:
+        raise DataError(f'{run_dir} holds a run with another config ({", ".join(sorted(changed))} differ); '
+                        f'remove it or use another --output')
+    metrics = run_dir / 'metrics.csv'
+    evals = [r for r in read_metrics(metrics) if r['split'] == 'val'] if metrics.exists() else []
+    if not evals:
+        return None
+    last = evals[-1]
+    return {'final': {'top1': float(last['top1'])}, 'best_top1': max(float(r['top1']) for r in evals),
+            'epochs': float(last['epoch']), 'global_step': int(last['step']), 'seconds': float(last['elapsed_s']),
+            'unfinished': True}
+
+
 def _row_names(row) -> List[str]:
     """The names ``--models`` accepts for a paper row, lower-case: its label, the label without its
     parenthesis ('NiNformer (ours)' -> 'ninformer'), its model name, and that without the input
@@ -150,8 +177,11 @@ def ninformer_table1(datasets: Sequence[str] = ('mnist', 'cifar10'), epochs: Opt
                      max_steps: Optional[int] = None, train_subset: Optional[int] = None,
                      test_subset: Optional[int] = None, device: str = 'auto', data_root: Optional[str] = None,
                      output: str = 'runs/ninformer-table1', dropout: float = 0.5, threads: Optional[int] = None,
-                     models: Optional[Sequence[str]] = None, extra: Optional[Dict] = None) -> List[TableRun]:
-    """Train and evaluate the Table 1 rows for ``datasets``; returns one ``TableRun`` per row."""
+                     models: Optional[Sequence[str]] = None, extra: Optional[Dict] = None,
+                     train: bool = True) -> List[TableRun]:
+    """Train and evaluate the Table 1 rows for ``datasets``; returns one ``TableRun`` per row. With
+    ``train=False`` nothing trains: each row is what its run folder holds (``read_run``), an unfinished
+    run's last test evaluation with a note, a missing one empty."""
     out: List[TableRun] = []
     plan = [(ds, _table_rows(ds, models)) for ds in datasets]  # check every name before training anything
     paths = {ds: ninformer_data(ds, data_root) for ds in datasets}
@@ -167,10 +197,15 @@ def ninformer_table1(datasets: Sequence[str] = ('mnist', 'cifar10'), epochs: Opt
                                    test_subset=test_subset, device=device, dropout=dropout, threads=threads,
                                    extra=extra)
             run.run_dir = Path(output) / ds / row.model
-            res = run_or_reuse(cfg, run.run_dir)
+            res = run_or_reuse(cfg, run.run_dir) if train else read_run(cfg, run.run_dir)
+            if res is None:
+                run.note = f'{row.model}: not run yet'
+                continue
+            if res.get('unfinished'):
+                run.note = f'{row.model}: unfinished, its last test evaluation (epoch {res["epochs"]:g})'
             run.top1, run.best_top1 = res['final']['top1'], res.get('best_top1')
             run.steps, run.epochs, run.seconds = res['global_step'], res['epochs'], res['seconds']
-            if test_subset:
+            if test_subset and not res.get('unfinished'):
                 run.note = f'first {res["final"]["num_images"]} test images only'
     return out
 
