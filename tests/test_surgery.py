@@ -184,6 +184,21 @@ def test_swap_carries_dropout_and_activation_over_where_the_block_has_the_knob()
     assert (mlp.drop1.p, mlp.drop2.p, mlp.act_name) == (0.1, 0.1, 'silu')
 
 
+def test_locality_ffn_carries_the_mlps_dropout_over_but_keeps_its_hswish():
+    """LocalViT's FFN takes timm's Mlp dropout (both points), as every FFN that has one; its activation stays
+    LocalViT's h-swish. It used to drop a backbone's proj_drop_rate silently."""
+    with torch.device('meta'):
+        model = timm.create_model('deit_tiny_patch16_224', proj_drop_rate=0.1, depth=2)
+        vitblocks.swap_ffn(model, 'locality')
+        mlp = model.blocks[1].mlp
+        assert (mlp.drop1.p, mlp.drop2.p) == (0.1, 0.1) and isinstance(mlp.act1, nn.Hardswish)
+        model = timm.create_model('deit_tiny_patch16_224', proj_drop_rate=0.1, depth=2)
+        vitblocks.swap_ffn(model, 'locality', drop=0.5)  # explicit wins
+        assert (model.blocks[0].mlp.drop1.p, model.blocks[0].mlp.drop2.p) == (0.5, 0.5)
+    localvit = timm.create_model('ninformer_baseline_localvit_patch4_32', proj_drop_rate=0.2)
+    assert {(b.mlp.drop1.p, b.mlp.drop2.p) for b in localvit.blocks} == {(0.2, 0.2)}
+
+
 def test_swap_names_an_activation_it_cannot_carry_over():
     model = timm.create_model('deit_tiny_patch16_224', act_layer='tanh', depth=1)
     with pytest.raises(ValueError, match=r"'iffn' takes over the activation .* pass act_layer= explicitly"):

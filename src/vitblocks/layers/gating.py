@@ -133,7 +133,7 @@ class MixerGatingUnit(nn.Module):
         return f'num_tokens={self.num_tokens}'
 
 
-@register_ffn('locality')
+@register_ffn('locality', inherits=('drop',))
 class LocalityFFN(nn.Module):
     """LocalViT's locality FFN (Li et al., 2021), the Local-ViT baseline of the NiNformer paper (Eq. 7).
 

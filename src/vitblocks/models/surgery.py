@@ -274,8 +274,8 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
             selecting which slots to replace.
         **cfg: constructor arguments of the FFN (``kernel_size=5``, ``act_layer='silu'``, ...).
             Knobs the FFN shares with the replaced MLP (its ``register_ffn(inherits=...)``, listed in
-            ``vitblocks.layers.FFN_INHERITS``: the dropout rates for every FFN but ``sum_nonlinear`` and
-            ``locality``, the activation for IFFN, SCHEME and ``mlp``) default to the MLP's values.
+            ``vitblocks.layers.FFN_INHERITS``: the dropout rates for every FFN but ``sum_nonlinear``, which
+            has no dropout; the activation for IFFN, SCHEME and ``mlp``) default to the MLP's values.
 
     Returns:
         The number of modules replaced. New modules are freshly initialized, on the device and
