@@ -5,6 +5,7 @@
 #      (rows committed finished under T1_SEED are reused, not retrained), and beside them the CIFAR-10
 #      NiNformer row started from PyTorch's default init, as the authors' script (block_cfg
 #      init=torch)                                                               -> runs/gpu-t1-torchinit
+#      and the CIFAR-10 ViT row with seeds 1 and 2 (VIT_SEEDS), its seed spread   -> runs/gpu-t1-seed{1,2}
 #      then each row that diverged or missed the paper by more than a point, in full fp32, and each
 #      diverged one also with clip_grad=1.0 (scripts/table1_rechecks.py)  -> runs/gpu-t1-{fp32,clip}
 #   2. issue 15, the check of docs/gpu_speed.md's IFFN/AFBO hypothesis (scripts/gpu_profile15.py)
@@ -46,6 +47,7 @@ t1_limit=${T1_TIME_LIMIT:-1560}
 t1_min=${T1_MIN:-600}
 # finished runs committed from earlier leases, reused instead of retrained (empty: none)
 t1_seed=${T1_SEED-docs/results/ninformer_table1_h100}
+vit_seeds=${VIT_SEEDS-1 2}                             # more seeds of the CIFAR-10 ViT row (empty: none)
 recheck_min=${RECHECK_MIN:-300}
 sweep_flags=${SWEEP_FLAGS:-"--device cuda"}
 profile_flags=${PROFILE_FLAGS:-"--device cuda"}
@@ -62,6 +64,14 @@ job() {  # the background job: each step in turn, whatever the one before it lef
         --output runs/gpu-t1-torchinit --time-limit "$t1_limit" $t1_flags "model_kwargs={block_cfg: {init: torch}}" \
         >> runs/gpu-t1-torchinit.log 2>&1 < /dev/null
       echo "$(date -u +%T) torchinit exit $?" >> runs/lease.log ) &
+    # the seed spread of the CIFAR-10 ViT row (seed 0: 64.07 at epoch 100, 61.23-64.95 over its last 20
+    # epochs; paper 65.74): the same run with seeds 1 and 2
+    for seed in $vit_seeds; do
+      ( $python -m vitblocks reproduce ninformer-table1 --datasets cifar10 --models ViT \
+          --output "runs/gpu-t1-seed$seed" --time-limit "$t1_limit" $t1_flags "seed=$seed" \
+          >> "runs/gpu-t1-seed$seed.log" 2>&1 < /dev/null
+        echo "$(date -u +%T) seed$seed exit $?" >> runs/lease.log ) &
+    done
     $python -m vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --jobs 8 --output runs/gpu-t1 \
       --time-limit "$t1_limit" $t1_flags >> runs/gpu-t1.log 2>&1
     rc=$?  # (a command substitution in the echo below would reset $?)
@@ -120,9 +130,11 @@ if [ ! -e runs/.lease_unpacked ]; then  # once per machine: an earlier lease's r
       [ -d "$d" ] && [ ! -f "$d/results.json" ] && rm -rf "$d"
     done
   elif [ -n "$t1_seed" ] && [ -d "$t1_seed" ]; then
-    # the committed finished runs (config, metrics, results: all a reuse reads) of Table 1 and of the
-    # init ablation (${t1_seed}_torchinit), each into the folder its command writes
-    for pair in "$t1_seed:runs/gpu-t1" "${t1_seed}_torchinit:runs/gpu-t1-torchinit"; do
+    # the committed finished runs (config, metrics, results: all a reuse reads) of Table 1, of the init
+    # ablation (${t1_seed}_torchinit) and of the ViT seeds (${t1_seed}_seedN), each where its command writes
+    pairs="$t1_seed:runs/gpu-t1 ${t1_seed}_torchinit:runs/gpu-t1-torchinit"
+    for seed in $vit_seeds; do pairs="$pairs ${t1_seed}_seed$seed:runs/gpu-t1-seed$seed"; done
+    for pair in $pairs; do
       src=${pair%%:*}; dst=${pair#*:}
       for f in "$src"/*/*/results.json; do
         [ -f "$f" ] || continue

@@ -73,6 +73,13 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     ablation = yaml.safe_load((tmp_path / 'runs/gpu-t1-torchinit/cifar10/ninformer_vit_patch4_32/config.yaml')
                               .read_text())
     assert ablation['model_kwargs'] == {'block_cfg': {'init': 'torch'}} and ablation['mlp_drop'] == 0.5
+    # and the CIFAR-10 ViT row with seeds 1 and 2, its seed spread
+    for seed in (1, 2):
+        assert f'seed{seed} exit 0' in log
+        run = f'runs/gpu-t1-seed{seed}/cifar10/ninformer_baseline_vit_patch4_32'
+        assert f'{run}/results.json' in names
+        cfg = yaml.safe_load((tmp_path / run / 'config.yaml').read_text())
+        assert (cfg['seed'], cfg['mlp_drop'], cfg['model']) == (seed, 0.5, 'ninformer_baseline_vit_patch4_32')
     # each run's progress line (its last test row), and no stop record: none stopped early
     assert 'runs/gpu-t1/cifar10/ninformer_vit_patch4_32/metrics.csv 1,' in second.stdout
     assert '  stopped: ' not in second.stdout
@@ -100,19 +107,21 @@ def _finished_or_not(root, runs):
 
 
 def test_a_fresh_lease_reuses_the_committed_finished_runs(tmp_path):
-    """A lease on a fresh machine with no earlier results.tgz starts from the runs committed finished (Table 1's
-    and the init ablation's), each in the folder its command writes, so only the rest train; an unfinished one,
-    whose checkpoint never left its machine, is not copied."""
+    """A lease on a fresh machine with no earlier results.tgz starts from the runs committed finished (Table 1's,
+    the init ablation's and the ViT seeds'), each in the folder its command writes, so only the rest train; an
+    unfinished one, whose checkpoint never left its machine, is not copied."""
     lease = _lease_dir(tmp_path)
     seed = lease / 'seed'
     _finished_or_not(seed, {'cifar10/ninformer_baseline_vit_patch4_32': True, 'mnist/ninformer_vit_patch4_28': False})
     _finished_or_not(lease / 'seed_torchinit', {'cifar10/ninformer_vit_patch4_32': True})
+    _finished_or_not(lease / 'seed_seed2', {'cifar10/ninformer_baseline_vit_patch4_32': True})
     env = {**os.environ, 'PYTHON': sys.executable, 'T1_SEED': 'seed'}
     out = subprocess.run(['bash', 'scripts/gpu_lease.sh', '--unpack-only'], cwd=lease, env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     runs = lease / 'runs'
     assert sorted(p.relative_to(runs).as_posix() for p in runs.rglob('results.json')) == [
+        'gpu-t1-seed2/cifar10/ninformer_baseline_vit_patch4_32/results.json',
         'gpu-t1-torchinit/cifar10/ninformer_vit_patch4_32/results.json',
         'gpu-t1/cifar10/ninformer_baseline_vit_patch4_32/results.json']
     assert (runs / 'gpu-t1/cifar10/ninformer_baseline_vit_patch4_32/metrics.csv').read_text() == \
@@ -164,5 +173,5 @@ def test_a_late_machine_skips_table1_for_the_speed_sweep(tmp_path):
     assert 'lease job: done' in out.stdout and 'Table 1: 0 of 8 runs finished' in out.stdout, out.stdout + out.stderr
     log = (tmp_path / 'runs/lease.log').read_text()
     assert 'table1 skipped: T1_TIME_LIMIT 200 s < T1_MIN 600 s' in log and 'sweep exit 0' in log, log
-    assert 'table1 exit' not in log and 'torchinit exit' not in log
+    assert 'table1 exit' not in log and 'torchinit exit' not in log and 'seed1 exit' not in log
     assert not list((tmp_path / 'runs').glob('gpu-t1*/*/*/config.yaml'))  # nothing trained
