@@ -202,8 +202,10 @@ echo "sweep: $(ls runs/gpu15/*/*.json 2> /dev/null | wc -l) of 80 runs written"
 tail -4 runs/gpu15.log 2> /dev/null
 cat runs/lease.log
 tail -2 runs/gpu_usage.log 2> /dev/null
-command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-$python -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__)"
+{ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  $python -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__)"
+} > runs/gpu-t1-env.txt 2> /dev/null  # for the tables' headers (scripts/lease_collect.py)
+cat runs/gpu-t1-env.txt
 out=${OUT:-.}
 tar czf "$out/results.tgz" --exclude='*.pth' --exclude='tensorboard' runs/gpu-t1* 2> /dev/null  # + rechecks
 tar czf "$out/gpu15.tgz" runs/gpu15 runs/gpu15.log 2> /dev/null

@@ -1,0 +1,93 @@
+"""scripts/lease_collect.py: a GPU lease's results.tgz into docs/results, checked on the runs of a real lease."""
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = ROOT / 'docs/results/ninformer_table1_h100'
+H100_UNFINISHED = ROOT / 'docs/results/ninformer_table1_h100_unfinished'
+VIT = 'cifar10/ninformer_baseline_vit_patch4_32'
+NIN_CIFAR, NIN_MNIST = 'cifar10/ninformer_vit_patch4_32', 'mnist/ninformer_vit_patch4_28'
+
+
+def _copy_run(src: Path, dst: Path, up_to_epoch=None, seed=None):
+    dst.mkdir(parents=True)
+    for name in ('config.yaml', 'metrics.csv', 'results.json'):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    if up_to_epoch is not None:  # the same run, stopped earlier
+        lines = (src / 'metrics.csv').read_text().splitlines()
+        (dst / 'metrics.csv').write_text('\n'.join(lines[:1] + [r for r in lines[1:]
+                                                                  if float(r.split(',')[1]) <= up_to_epoch]) + '\n')
+    if seed is not None:
+        cfg = yaml.safe_load((dst / 'config.yaml').read_text())
+        (dst / 'config.yaml').write_text(yaml.safe_dump(dict(cfg, seed=seed), sort_keys=False))
+
+
+def _collect(cwd: Path, *args):
+    return subprocess.run([sys.executable, str(ROOT / 'scripts/lease_collect.py'), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_lease_archive_lands_where_the_next_lease_seeds_from(tmp_path):
+    """Finished runs replace committed copies (an identical one is left alone); an unfinished run replaces a committed
+    unfinished copy only if it got further; a seed group lands in its own folder; each folder gets its table."""
+    lease = tmp_path / 'lease'
+    _copy_run(H100 / VIT, lease / 'runs/gpu-t1' / VIT)  # reused on the lease: as committed
+    _copy_run(H100_UNFINISHED / NIN_CIFAR, lease / 'runs/gpu-t1' / NIN_CIFAR)  # further than the committed copy
+    _copy_run(H100_UNFINISHED / NIN_MNIST, lease / 'runs/gpu-t1' / NIN_MNIST, up_to_epoch=40)  # less far
+    _copy_run(H100 / VIT, lease / 'runs/gpu-t1-seed1' / VIT, seed=1)  # a new finished group
+    (lease / 'runs/gpu-t1-env.txt').write_text('NVIDIA H100 80GB HBM3, 580.159.04\ntorch 2.11.0 timm 1.0.29\n')
+    with tarfile.open(tmp_path / 'results.tgz', 'w:gz') as tar:
+        tar.add(lease / 'runs', arcname='runs')
+
+    repo = tmp_path / 'repo'
+    docs = repo / 'docs/results'
+    _copy_run(H100 / VIT, docs / 'ninformer_table1_h100' / VIT)
+    _copy_run(H100_UNFINISHED / NIN_CIFAR, docs / 'ninformer_table1_h100_unfinished' / NIN_CIFAR, up_to_epoch=30)
+    _copy_run(H100_UNFINISHED / NIN_MNIST, docs / 'ninformer_table1_h100_unfinished' / NIN_MNIST)
+    assert 'not found' in _collect(repo, str(tmp_path / 'results.tgz')).stderr  # no .gpu_data yet
+    for ds in ('mnist', 'cifar10'):
+        (repo / '.gpu_data' / ds).mkdir(parents=True)  # the configs name .gpu_data/<ds>; nothing is read from it
+
+    out = _collect(repo, str(tmp_path / 'results.tgz'))
+    assert out.returncode == 0, out.stderr
+    assert f'{VIT}: finished, committed already' in out.stdout
+    assert f'{NIN_CIFAR}: unfinished at epoch 77 -> docs/results/ninformer_table1_h100_unfinished/{NIN_CIFAR}' \
+        in out.stdout
+    assert f'{NIN_MNIST}: unfinished at epoch 40, committed copy at 68: kept that' in out.stdout
+    unfinished = docs / 'ninformer_table1_h100_unfinished'
+    assert (unfinished / NIN_CIFAR / 'metrics.csv').read_text() == (H100_UNFINISHED / NIN_CIFAR / 'metrics.csv') \
+        .read_text()
+    assert (unfinished / NIN_MNIST / 'metrics.csv').read_text() == (H100_UNFINISHED / NIN_MNIST / 'metrics.csv') \
+        .read_text()
+    seed1 = docs / 'ninformer_table1_h100_seed1'
+    assert yaml.safe_load((seed1 / VIT / 'config.yaml').read_text())['seed'] == 1
+    assert json.loads((seed1 / VIT / 'results.json').read_text())['final']['top1'] == 64.07
+    table = (docs / 'ninformer_table1_h100/table.md').read_text()
+    assert 'NVIDIA H100 80GB HBM3, 580.159.04; torch 2.11.0 timm 1.0.29' in table
+    assert '--datasets mnist,cifar10' in table and '--set deterministic=false matmul_precision=high' in table
+    assert '| ViT | - | - | 97.12 |' in table  # no MNIST ViT in this archive
+    assert '| NiNformer (ours) | 98.40 ' not in table and '| 75.53 | 76.11 | 81.59 | -6.06 | 77.00 |' in table
+    seed_table = (seed1 / 'table.md').read_text()
+    assert 'seed=1' in seed_table and '| ViT | 64.07 | 64.95 | 65.74 | -1.67 | 100.00 |' in seed_table
+    assert (repo / 'runs/gpu-t1-seed1' / VIT / 'results.json').is_file()  # unpacked where the command reads it
+
+
+def test_an_archive_that_is_no_lease_result_is_refused(tmp_path):
+    (tmp_path / '.gpu_data').mkdir()
+    (tmp_path / 'bad.tgz').write_bytes(b'not a tar')
+    out = _collect(tmp_path, 'bad.tgz')
+    assert out.returncode != 0 and 'not a readable tar.gz' in out.stderr
+    (tmp_path / 'etc').mkdir()
+    (tmp_path / 'etc/passwd').write_text('x')
+    with tarfile.open(tmp_path / 'other.tgz', 'w:gz') as tar:
+        tar.add(tmp_path / 'etc', arcname='etc')
+    out = _collect(tmp_path, 'other.tgz')
+    assert out.returncode != 0 and "holds 'etc'" in out.stderr
+    assert 'no such file' in _collect(tmp_path, 'missing.tgz').stderr
