@@ -3,7 +3,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from PIL import Image
@@ -64,3 +64,36 @@ def tiny_dataset(root: Path, n_train: int = 96, n_test: int = 40, **kw) -> Path:
     write_shards(root, 'train', n_train, **kw)
     write_shards(root, 'test', n_test, seed=1, **kw)
     return root
+
+
+def signal_during_evaluation(monkeypatch, evaluation: int, after_batches: int = 1, draws: bool = False) -> List[int]:
+    """Make the training engine's ``evaluation``-th call of ``evaluate`` (1-based; an EMA's evaluation is a call of
+    its own) send this process a SIGTERM once it has evaluated ``after_batches`` batches, as a cluster preempting
+    the job mid-evaluation would. Returns the list of the batches each call got through, filled as they run.
+    ``draws``: each evaluated batch also draws a number from torch's global RNG (as a loader that seeded its
+    workers from it would), so an evaluation changes the RNG states training goes on with."""
+    import os
+    import signal
+
+    import torch
+
+    from vitblocks.experiments import engine
+    real, evaluated = engine.evaluate, []
+
+    def evaluate_then_signal(model, *args, **kwargs):
+        evaluated.append(0)
+        call = len(evaluated)
+
+        def count(module, inputs, output):
+            evaluated[call - 1] += 1
+            if draws:
+                torch.rand(1)
+            if call == evaluation and evaluated[call - 1] == after_batches:
+                os.kill(os.getpid(), signal.SIGTERM)
+        hook = model.register_forward_hook(count)
+        try:
+            return real(model, *args, **kwargs)
+        finally:
+            hook.remove()
+    monkeypatch.setattr(engine, 'evaluate', evaluate_then_signal)
+    return evaluated

@@ -1,8 +1,9 @@
 """Training at scale, rehearsed on this CPU: SyncBatchNorm conversion of vitblocks' BatchNorms,
 gradient accumulation, uint8 batches from the PIL pipeline, resume=auto, a longer schedule and a plateau
-schedule's counters on resume, and (slow) 2-process gloo runs:
-BatchNorm statistics averaged across ranks, a 2 -> 1 process resume, a checkpoint missing on one
-rank, a SIGKILLed rank restarted by torchrun, and streamed shards split between ranks."""
+schedule's counters on resume (also after a SIGTERM mid-evaluation), and (slow) 2-process gloo runs:
+BatchNorm statistics averaged across ranks, a 2 -> 1 process resume, a SIGTERM to one rank during an
+evaluation, a checkpoint missing on one rank, a SIGKILLed rank restarted by torchrun, and streamed
+shards split between ranks."""
 import copy
 import csv
 import json
@@ -18,11 +19,11 @@ from torch import nn
 
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.data import EpochOrder, PILLoader, ShardDataset, build_dataset, build_pil_transform
-from vitblocks.experiments import merge, train
+from vitblocks.experiments import TrainingInterrupted, merge, train
 from vitblocks.experiments.checkpoint import load_checkpoint
 from vitblocks.experiments.config import ConfigError
 
-from _train_helpers import TINY_VIT, tiny_dataset
+from _train_helpers import TINY_VIT, signal_during_evaluation, tiny_dataset
 
 TINY_REPA = dict(img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2)
 REPO = Path(__file__).resolve().parents[1]
@@ -139,6 +140,34 @@ def test_plateau_resumed_mid_run_keeps_its_counters(data, tmp_path):
     want, got = _lrs(straight.run_dir), _lrs(resumed.run_dir)
     assert [want[s] for s in (24, 25, 40, 41, 48)] == pytest.approx([1e-6, 5e-7, 5e-7, 2.5e-7, 2.5e-7], rel=1e-9)
     assert got == want  # every step, the part before the resume included
+
+
+def test_plateau_stopped_during_an_evaluation_takes_its_step_after_it_on_resume(data, tmp_path, monkeypatch):
+    # the flat run above: epoch 3's evaluation (step 24) makes its second bad epoch in a row, after which the lr
+    # halves. A SIGTERM during it saves the state from before the plateau's step (the step needs that evaluation's
+    # top-1): the resumed run evaluates, then steps, once. Without the owed step the lr stays 1e-6 at step 25.
+    kw = dict(sched='plateau', patience_epochs=1, decay_rate=0.5, lr=1e-6, epochs=6)
+    straight = train(_cfg(data, tmp_path, name='straight', **kw))
+    evaluated = signal_during_evaluation(monkeypatch, evaluation=3)
+    with pytest.raises(TrainingInterrupted, match='SIGTERM at step 24 during its evaluation'):
+        train(_cfg(data, tmp_path, **kw))
+    saved = load_checkpoint(tmp_path / 'run' / 'last.pth')
+    assert evaluated == [2, 2, 1] and saved['global_step'] == 24  # 2 batches of 8 test images each
+    assert saved['scheduler']['plateau']['num_bad_epochs'] == 1 and saved['scheduler_step_owed'] is True
+    train(_cfg(data, tmp_path, **kw), resume=tmp_path / 'run')
+    assert evaluated[3:] == [2] * 4  # the owed evaluation once, then epochs 4 to 6
+    want, got = _lrs(straight.run_dir), _lrs(tmp_path / 'run')
+    assert want[24] == 1e-6 and want[25] == pytest.approx(5e-7, rel=1e-9)
+    assert got == want
+
+
+def test_every_rank_asks_for_a_stop_after_the_evaluation_batches_they_all_have():
+    # 33 test images on 2 ranks in batches of 4: rank 0 holds 17 (5 batches), rank 1 16 (4); a per-batch vote
+    # (a collective) after rank 0's fifth batch would wait for rank 1 forever
+    orders = [EpochOrder(33, 4, shuffle=False, rank=r, world_size=2) for r in (0, 1)]
+    assert [o.batches_per_epoch for o in orders] == [5, 4]
+    assert [o.batches_on_every_rank for o in orders] == [4, 4]
+    assert EpochOrder(64, 4, rank=1, world_size=2).batches_on_every_rank == 8  # training: the same on every rank
 
 
 def _worker_batch(loader: PILLoader) -> torch.Tensor:
@@ -261,6 +290,23 @@ if signal_at:  # SIGTERM to every rank after that step's update, as a cluster pr
             os.kill(os.getpid(), signal.SIGTERM)
         inner(loss)
     trainer.after_step = signal_then_step
+in_evaluation = spec.get('signal_rank1_in_evaluation')
+if in_evaluation:  # SIGTERM to rank 1 alone after its first batch of that evaluation; count every rank's batches
+    evaluated, evaluate = [], engine.evaluate
+    def counted_evaluate(model, *args, **kwargs):
+        evaluated.append(0)
+        def count(module, inputs, output):
+            evaluated[-1] += 1
+            if os.environ['RANK'] == '1' and len(evaluated) == in_evaluation and evaluated[-1] == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        hook = model.register_forward_hook(count)
+        try:
+            return evaluate(model, *args, **kwargs)
+        finally:
+            hook.remove()
+            with open(spec['dump'] + '.evaluated' + os.environ['RANK'], 'w') as f:
+                json.dump(evaluated, f)
+    engine.evaluate = counted_evaluate
 result = trainer.fit()
 bn = {{k: v for k, v in trainer.model.state_dict().items() if 'running' in k}}
 torch.save(bn, spec['dump'] + '.rank' + os.environ['RANK'])
@@ -346,6 +392,38 @@ def test_sigterm_to_every_rank_stops_at_the_next_step_and_resumes_on_one_process
     ddp, one = _train_losses(tmp_path / 'ddp'), _train_losses(tmp_path / 'one')
     assert [s for s, _ in ddp] == [s for s, _ in one] == [8, 16]
     torch.testing.assert_close([v for _, v in ddp], [v for _, v in one], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_during_an_evaluation_stops_every_rank_at_the_same_batch(tmp_path):
+    # 33 test images: rank 0 evaluates 5 batches of 4, rank 1 only 4 (both vote after 4: epoch 1's evaluation
+    # ends). Rank 1 alone gets the signal after its first batch of epoch 2's evaluation (step 16); the vote is
+    # read a batch later: both stop after their second batch, save last.pth owing the evaluation, and the run
+    # resumes on one process like an uninterrupted one-process run
+    data = tiny_dataset(tmp_path / 'data', n_train=64, n_test=33)
+    cfg = _cfg(data, tmp_path, name='ddp', batch_size=4, epochs=3, log_interval=4).to_dict()
+    out = _torchrun(tmp_path, {'cfg': cfg, 'dump': str(tmp_path / 'bn'), 'signal_rank1_in_evaluation': 2})
+    assert out.returncode != 0
+    for who in ('SIGTERM', 'a signal to another process'):  # rank 1's own, rank 0 by the vote
+        assert out.stderr.count(f'TrainingInterrupted: {who} at step 16 during its evaluation: saved') == 1, \
+            out.stderr[-3000:]
+    evaluated = [json.loads((tmp_path / f'bn.evaluated{rank}').read_text()) for rank in (0, 1)]
+    assert evaluated == [[5, 2], [4, 2]]
+    saved = load_checkpoint(tmp_path / 'ddp' / 'last.pth')
+    assert (saved['global_step'], saved['evaluation_owed']) == (16, True)
+    with open(tmp_path / 'ddp' / 'metrics.csv') as f:  # no row of the half evaluation
+        assert [(r['step'], r['split']) for r in csv.DictReader(f)][-2:] == [('12', 'train'), ('16', 'train')]
+    resumed = train(merge({**cfg, 'grad_accum': 2}), resume=tmp_path / 'ddp')
+    train(merge({**cfg, 'name': 'one', 'grad_accum': 2}))
+    assert resumed.global_step == 24
+    rows = {}
+    for name in ('ddp', 'one'):
+        with open(tmp_path / name / 'metrics.csv') as f:
+            rows[name] = [(int(r['step']), r['split'], float(r['loss'])) for r in csv.DictReader(f)]
+    assert [r[:2] for r in rows['ddp']] == [r[:2] for r in rows['one']] == \
+        [(4, 'train'), (8, 'train'), (8, 'val'), (12, 'train'), (16, 'train'), (16, 'val'), (20, 'train'),
+         (24, 'train'), (24, 'val')]
+    torch.testing.assert_close([r[2] for r in rows['ddp']], [r[2] for r in rows['one']], rtol=1e-4, atol=0)
 
 
 def test_under_ddp_a_stop_is_agreed_one_step_after_the_signal_whatever_the_log_interval():

@@ -1,4 +1,5 @@
-"""Training loop, run folders, exact resume (also after SIGKILL), NaN stop, checkpoints, DDP, CLI.
+"""Training loop, run folders, exact resume (also after SIGKILL, and after a SIGTERM mid-evaluation), NaN stop,
+checkpoints, DDP, CLI.
 
 Everything runs a one-block 16-wide ViT on 8x8 synthetic shards, one CPU thread: a few
 milliseconds per step, so the whole file takes well under a minute of CPU.
@@ -27,8 +28,8 @@ from vitblocks.cli import plot as plot_cmd
 from vitblocks.cli import reproduce as reproduce_cmd
 from vitblocks.cli import train as train_cmd
 from vitblocks.data import DataError
-from vitblocks.experiments import (CheckpointError, TrainingDiverged, list_recipes, load_checkpoint,
-                                   load_model_weights, load_recipe, merge, save_checkpoint, train)
+from vitblocks.experiments import (CheckpointError, TrainingDiverged, TrainingInterrupted, list_recipes,
+                                   load_checkpoint, load_model_weights, load_recipe, merge, save_checkpoint, train)
 from vitblocks.experiments.config import ConfigError, parse_overrides
 from vitblocks.experiments.engine import Trainer
 from vitblocks.experiments.reproduce import run_or_reuse
@@ -37,7 +38,7 @@ from vitblocks.experiments.schedule import build_scheduler
 from vitblocks.experiments.setup import set_cuda_matmul_precision
 from vitblocks.profile import fixed_threads
 
-from _train_helpers import TINY_VIT, tiny_dataset
+from _train_helpers import TINY_VIT, signal_during_evaluation, tiny_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,6 +199,69 @@ def test_sigkill_and_resume_matches_uninterrupted_run(data, tmp_path):
     assert load_checkpoint(last)['global_step'] == total
     assert_same_weights(full / 'run' / 'last.pth', last)
     assert losses(killed / 'run') == losses(full / 'run')
+
+
+def assert_same_state(a: dict, b: dict):
+    """The same checkpoint but for its tensors of weights and its timings: position, schedule, RNG states."""
+    keys = ('epoch', 'epoch_step', 'global_step', 'best_top1', 'best_epoch', 'log_window', 'scheduler',
+            'evaluation_owed', 'scheduler_step_owed')
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert torch.equal(a['rng'][0]['torch'], b['rng'][0]['torch'])
+    assert torch.equal(a['rng'][0]['numpy']['keys'], b['rng'][0]['numpy']['keys'])
+    assert a['rng'][0]['python'] == b['rng'][0]['python']
+
+
+def results_without_timings(run: Path) -> dict:
+    drop = ('seconds', 'images_per_s')
+    results = json.loads((run / 'results.json').read_text())
+    return {k: {kk: vv for kk, vv in v.items() if kk not in drop} if isinstance(v, dict) else v
+            for k, v in results.items() if k not in drop}
+
+
+def test_sigterm_during_an_evaluation_stops_it_and_the_resumed_run_evaluates_first(data, tmp_path, monkeypatch):
+    """A SIGTERM one batch into the evaluation after epoch 1 (step 12: 5 batches of the model, then 5 of its
+    EMA) stops the run there, not once the evaluation is over (which on ImageNet may outlast a cluster's 30 s
+    of grace); last.pth owes that evaluation, and the resumed run equals an uninterrupted one. Every evaluated
+    batch draws from the RNG that dropout uses next: the checkpoint must hold the states from before it."""
+    with pytest.MonkeyPatch.context() as patch:
+        signal_during_evaluation(patch, evaluation=0, draws=True)  # never signals
+        full = train(tiny_cfg(data, tmp_path / 'full'))
+    evaluated = signal_during_evaluation(monkeypatch, evaluation=1, draws=True)
+    part = tmp_path / 'part' / 'run'
+    with pytest.raises(TrainingInterrupted, match=r'^SIGTERM at step 12 during its evaluation: saved \S*last\.pth '
+                                                  r'\(the resumed run evaluates first\); resume with: vitblocks train'):
+        train(tiny_cfg(data, tmp_path / 'part'))
+    assert evaluated == [1]  # 1 of the model's 5 batches; the EMA's evaluation never started
+    ckpt = load_checkpoint(part / 'last.pth')
+    assert (ckpt['global_step'], ckpt['epoch'], ckpt['epoch_step']) == (12, 1, 0)
+    assert ckpt['evaluation_owed'] is True and ckpt['scheduler_step_owed'] is True
+    stop = read_stop_record(part)
+    assert (stop['reason'], stop['signal'], stop['global_step'], stop['checkpoint']) == \
+        ('interrupted', 'SIGTERM', 12, 'last.pth')
+    assert [(r[0], r[1]) for r in losses(part)] == [('4', 'train'), ('8', 'train'), ('12', 'train')]  # no val row
+    assert not (part / 'best.pth').exists()
+
+    result = train(tiny_cfg(data, tmp_path / 'part'), resume=part)
+    assert evaluated == [1] + [5] * 6  # the owed evaluation (model, EMA) once, then epochs 2 and 3
+    assert losses(part) == losses(full.run_dir)  # every row, the evaluations' at step 12 included
+    for name in ('last.pth', 'best.pth'):  # weights, position, schedule, owed nothing, every RNG state
+        assert_same_weights(full.run_dir / name, part / name)
+        assert_same_state(load_checkpoint(full.run_dir / name), load_checkpoint(part / name))
+    assert results_without_timings(part) == results_without_timings(full.run_dir)
+    assert (result.global_step, result.best_top1, result.final.top1, result.final.loss) == \
+        (full.global_step, full.best_top1, full.final.top1, full.final.loss)
+    assert read_stop_record(part) is None and load_checkpoint(part / 'last.pth')['evaluation_owed'] is False
+
+
+def test_a_checkpoint_without_the_owed_evaluation_fields_resumes_owing_none(data, tmp_path, monkeypatch):
+    train(tiny_cfg(data, tmp_path, epochs=1, max_steps=5))  # evaluated at step 5, then saved
+    last = tmp_path / 'run' / 'last.pth'
+    ckpt = load_checkpoint(last)
+    del ckpt['evaluation_owed'], ckpt['scheduler_step_owed']  # as vitblocks wrote them before
+    save_checkpoint(ckpt, last)
+    evaluated = signal_during_evaluation(monkeypatch, evaluation=0)  # counts, never signals
+    result = train(tiny_cfg(data, tmp_path, epochs=1), resume=tmp_path / 'run')
+    assert result.global_step == 12 and evaluated == [5, 5]  # step 12's evaluation only (model, EMA)
 
 
 # --- faults ----------------------------------------------------------------------------------------------

@@ -67,6 +67,15 @@ class EpochOrder:
             len(range(self.rank, self.num_samples, self.world_size))
         return per_rank // self.batch_size if self.shuffle else math.ceil(per_rank / self.batch_size)
 
+    @property
+    def batches_on_every_rank(self) -> int:
+        """The batches each rank has at least: the same as ``batches_per_epoch`` for training; in an evaluation
+        the last ranks hold ``num_samples // world_size`` samples, one fewer than the first ones, maybe one batch
+        fewer (what a per-batch collective such as a stop vote may count on)."""
+        if self.shuffle:
+            return self.batches_per_epoch
+        return math.ceil(self.num_samples // self.world_size / self.batch_size)
+
     def batches(self, epoch: int, start: int = 0) -> List[torch.Tensor]:
         idx = self.indices(epoch)
         bs = self.batch_size

@@ -1,10 +1,12 @@
 """The training loop: timm's optimizer, scheduler, losses, mixup and EMA around a plain step.
 
 Exact resume: a checkpoint holds the model, optimizer, scheduler, EMA, grad scaler, every
-process's RNG states, and the position (epoch, step in epoch, global step). Batches and their
-augmentation are functions of (seed, epoch, step) (see ``vitblocks.data.loader``), so a run
-killed at any point and resumed from its last checkpoint retraces the uninterrupted run
-exactly on CPU (GPU kernels may add their own non-determinism).
+process's RNG states, and the position (epoch, step in epoch, global step, and whether the
+evaluation after that step is still owed: a SIGTERM during an evaluation abandons it and saves
+the state from before it). Batches and their augmentation are functions of (seed, epoch, step)
+(see ``vitblocks.data.loader``), so a run killed at any point and resumed from its last
+checkpoint retraces the uninterrupted run exactly on CPU (GPU kernels may add their own
+non-determinism).
 """
 import math
 import os
@@ -13,7 +15,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import torch
@@ -179,6 +181,9 @@ class Trainer:
         self._window = (0.0, 0)  # (loss sum, steps) since the last metrics row
         self._saved_step = None  # the step last.pth holds (set by save and _restore)
         self._stop_vote = None  # under DDP: the sum over the ranks of the last step's stop flag, still in flight
+        # a stop during an evaluation saves the state from before it: the evaluation (and, after a completed
+        # epoch, the scheduler's epoch step, which plateau takes the evaluation's top-1 for) is then still owed
+        self._evaluation_owed, self._scheduler_step_owed = False, False
         self.run_dir = self._make_run_dir(run_dir, resume, ckpt)
         self.log = MetricsLog(self.run_dir, cfg.tensorboard, fresh=ckpt is None) if self.dist.is_main else None
         if ckpt is not None:
@@ -239,6 +244,9 @@ class Trainer:
         self.best_top1, self.best_epoch = ckpt.get('best_top1', -1.0), ckpt.get('best_epoch', -1)
         self.elapsed_before = ckpt.get('elapsed_s', 0.0)
         self._window = tuple(ckpt.get('log_window', (0.0, 0)))
+        # checkpoints written before these fields were saved after their evaluation: nothing is owed
+        self._evaluation_owed = bool(ckpt.get('evaluation_owed', False))
+        self._scheduler_step_owed = bool(ckpt.get('scheduler_step_owed', False))
         states = ckpt['rng']
         if self.log is not None:  # rows a killed attempt wrote after this checkpoint are recomputed (saved steps)
             self.log.truncate_after(self.global_step)
@@ -279,6 +287,7 @@ class Trainer:
             'epoch': self.epoch, 'epoch_step': self.epoch_step, 'global_step': self.global_step,
             'best_top1': self.best_top1, 'best_epoch': self.best_epoch, 'elapsed_s': self._elapsed(),
             'log_window': list(self._window),
+            'evaluation_owed': self._evaluation_owed, 'scheduler_step_owed': self._scheduler_step_owed,
             'config': self.cfg.to_dict(), 'num_classes': self.num_classes, 'classes': list(self.data.train.classes),
             'input_size': list(self.data.input_size), 'mean': list(self.data.mean), 'std': list(self.data.std),
             'dataset': dataset_manifest(self.data),
@@ -371,10 +380,12 @@ class Trainer:
             (self.run_dir / STOP_RECORD).unlink(missing_ok=True)  # this attempt replaces an earlier one's record
         try:
             with StopRequest() as self._stop:
-                while self.epoch < cfg.epochs and self.global_step < self.total_steps:
+                if self._evaluation_owed:  # saved by a stop during an evaluation: that evaluation comes first
+                    final, final_ema = self._close_epoch(True, self._scheduler_step_owed)
+                while not self._budget_spent():
                     final, final_ema = self._run_epoch()
-            if final is None:  # stopped by max_steps right after an evaluation, or resumed at the very end
-                final, final_ema = self._evaluate()
+                if final is None:  # resumed at the very end: evaluated again for results.json
+                    final, final_ema = self._evaluate_or_stop(epoch_done=False)
             if self._stop_vote is not None:  # every rank started it: let it finish before the group is torn down
                 self._stop_vote.result()
                 self._stop_vote = None
@@ -438,20 +449,43 @@ class Trainer:
         self.progress.end_epoch()
         self._sync_window()
         done_epoch = self.epoch_step == self.steps_per_epoch
-        evaluated = (None, None)
         if done_epoch:
             self.epoch, self.epoch_step = self.epoch + 1, 0
-        if (done_epoch and self.epoch % cfg.eval_interval == 0) or self.global_step >= self.total_steps \
-                or self.epoch >= cfg.epochs:
-            evaluated = self._evaluate()
-        if done_epoch and self.scheduler is not None:
+        due = (done_epoch and self.epoch % cfg.eval_interval == 0) or self._budget_spent()
+        return self._close_epoch(due, done_epoch)
+
+    def _budget_spent(self) -> bool:
+        return self.epoch >= self.cfg.epochs or self.global_step >= self.total_steps
+
+    def _close_epoch(self, evaluation_due: bool, epoch_done: bool):
+        """What follows the last step of an epoch or of the run: the evaluation if due, the scheduler's epoch
+        step, ``last.pth``. A run resumed from a checkpoint saved during the evaluation starts here."""
+        evaluated = self._evaluate_or_stop(epoch_done) if evaluation_due else (None, None)
+        if epoch_done and self.scheduler is not None:
             # per-update schedules ignore this; plateau counts a completed epoch's top-1 (None: not evaluated)
             self.scheduler.step(self.epoch, evaluated[0].top1 if evaluated[0] is not None else None)
         self.save()
-        # a signal that came during the evaluation or the save stops here, not a step later (the run, if not done)
-        if self.epoch < cfg.epochs and self.global_step < self.total_steps and self._stop_requested(now=True):
+        # a signal that came during the save (or the evaluation's last batches) stops here, not a step later (the
+        # run, if not done)
+        if not self._budget_spent() and self._stop_requested(now=True):
             raise self._interrupted()
         return evaluated
+
+    def _evaluate_or_stop(self, epoch_done: bool):
+        """``_evaluate()``, abandoned if a stop is requested during it: ``last.pth`` then holds the state from before
+        the evaluation (RNG states included), which it records as owed, with the scheduler's step of a completed
+        epoch, and TrainingInterrupted is raised. Nothing of the evaluation is logged or saved before it ends."""
+        rng = rng_state()
+        # best.pth, saved at the evaluation's end, is past it (as an uninterrupted run's); last.pth on disk still
+        # owes it until the save after it
+        self._evaluation_owed, self._scheduler_step_owed = False, False
+        evaluated = self._evaluate(stop=self._stop_requested)
+        if evaluated is not None:
+            return evaluated
+        set_rng_state(rng)
+        self._evaluation_owed, self._scheduler_step_owed = True, epoch_done
+        self.save()
+        raise self._interrupted()
 
     def after_step(self, loss: torch.Tensor) -> None:
         """Bookkeeping after each optimizer step: loss window, metrics row, progress, interval checkpoint."""
@@ -483,14 +517,15 @@ class Trainer:
 
     def _interrupted(self) -> TrainingInterrupted:
         return TrainingInterrupted(self._stop.signal_name or 'a signal to another process', self.global_step,
-                                   self.run_dir)
+                                   self.run_dir, evaluation_owed=self._evaluation_owed)
 
     def _stop_requested(self, now: bool = False) -> bool:
-        """A SIGINT/SIGTERM arrived, on any rank under DDP. Checked after every optimizer step: a cluster gives a
-        preempted job a grace period (torchrun waits 30 s for its workers, SLURM's KillWait is 30 s by default) and
-        the checkpoint must be written within it. Under DDP every rank must stop at the same step without a device
-        sync per step: each step's flag is summed over the ranks asynchronously and read one step later, once the
-        next step is queued (``now``: read the current one too, waiting for it)."""
+        """A SIGINT/SIGTERM arrived, on any rank under DDP. Checked after every optimizer step and every evaluation
+        batch: a cluster gives a preempted job a grace period (torchrun waits 30 s for its workers, SLURM's KillWait
+        is 30 s by default) and the checkpoint must be written within it. Under DDP every rank must stop at the same
+        step (or batch): each call's flag is summed over the ranks asynchronously and read at the next call, once
+        the next step is queued (``now``: read the current one too, waiting for it). One chain of votes runs through
+        steps and evaluation batches alike; every rank makes the same calls in the same order."""
         stop = getattr(self, '_stop', None)
         if stop is None:
             return False
@@ -544,12 +579,20 @@ class Trainer:
         if self.ema is not None:
             sync_batchnorm_stats(self.ema.module, mode)
 
-    def _evaluate(self):
+    def _evaluate(self, stop: Optional[Callable[[], bool]] = None):
+        """The model's and the EMA's evaluation, logged (best.pth on a new best top-1); None, with nothing logged or
+        saved, if ``stop`` ended either early."""
         self._sync_batchnorm_stats()
         res = evaluate(self.model, self.val_loader, self.num_classes, self.device, autocast=self.autocast(),
-                       progress=self.progress.mode)
-        res_ema = evaluate(self.ema.module, self.val_loader, self.num_classes, self.device, autocast=self.autocast(),
-                           progress=self.progress.mode) if self.ema is not None else None
+                       progress=self.progress.mode, stop=stop)
+        if res is None:
+            return None
+        res_ema = None
+        if self.ema is not None:
+            res_ema = evaluate(self.ema.module, self.val_loader, self.num_classes, self.device,
+                               autocast=self.autocast(), progress=self.progress.mode, stop=stop)
+            if res_ema is None:
+                return None
         for which, r in (('', res), ('EMA ', res_ema)):
             # checked before anything is saved: NaN weights must not replace last.pth or best.pth
             if r is not None and self._any_rank(not math.isfinite(r.loss)):

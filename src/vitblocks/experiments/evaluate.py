@@ -2,7 +2,7 @@
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +39,19 @@ class EvalResult:
 
 @torch.inference_mode()
 def evaluate(model: nn.Module, loader, num_classes: int, device: torch.device, autocast=None,
-             class_subset: Optional[Sequence[int]] = None, progress: str = 'none') -> EvalResult:
+             class_subset: Optional[Sequence[int]] = None, progress: str = 'none',
+             stop: Optional[Callable[[], bool]] = None) -> Optional[EvalResult]:
     """Evaluate ``model`` on one pass of ``loader`` (``loader.epoch(0)`` yields (images, labels)).
 
     ``progress``: 'auto', 'bar', 'log' or 'none' (``vitblocks.ticker.Ticker``, counted in images).
 
     ``class_subset``: model output indices to keep, in label order (e.g. ImageNet-R's 200 of
     the 1000 ImageNet classes); labels then index the subset.
+
+    ``stop``: asked after each batch (under DDP: each of the batches every rank has, so a vote that is a
+    collective stays matched); when it says True the evaluation is abandoned and ``None`` returned (a
+    training run preempted mid-evaluation saves its checkpoint instead of finishing it). Every rank must
+    get the same answers from it.
     """
     was_training = model.training
     model.eval()
@@ -59,7 +65,8 @@ def evaluate(model: nn.Module, loader, num_classes: int, device: torch.device, a
     t0 = time.perf_counter()
     order = getattr(loader, 'order', None)  # this rank's images, when the loader says
     ticker = Ticker(len(order.indices(0)) if order is not None else None, 'img', 'evaluating', progress)
-    for x, y in loader.epoch(0):
+    asked = order.batches_on_every_rank if order is not None else float('inf')  # batches `stop` is asked after
+    for i, (x, y) in enumerate(loader.epoch(0)):
         with autocast or nullcontext():
             logits = model(x)
         logits = logits.float()
@@ -74,6 +81,10 @@ def evaluate(model: nn.Module, loader, num_classes: int, device: torch.device, a
         correct.index_add_(0, y, hit[:, 0].double())
         total.index_add_(0, y, torch.ones_like(y, dtype=torch.float64))
         ticker.update(y.numel())
+        if stop is not None and i < asked and stop():
+            ticker.close()
+            model.train(was_training)
+            return None
     ticker.close()
     if device.type == 'cuda':
         torch.cuda.synchronize(device)

@@ -1,12 +1,14 @@
 """Stop a run cleanly on SIGINT (Ctrl-C) or SIGTERM (``kill``, a cluster's time limit).
 
-The handler only sets a flag; the training loop checks it after each optimizer step, saves
-``last.pth`` there (a step boundary, so resuming is exact) and raises ``TrainingInterrupted``,
-whose message is the command that resumes the run. A second SIGINT (Ctrl-C twice) is not caught: it
-stops the process at once (the atomic checkpoint write keeps the previous file). A repeated SIGTERM is
-ignored: a cluster delivers one preemption's SIGTERM more than once (SLURM signals every process of the
-job step, torchrun forwards its own to its workers, ``scancel`` may be repeated) and the escalation after
-the grace period is SIGKILL; dying at the second one would lose the checkpoint the first one asked for.
+The handler only sets a flag; the training loop checks it after each optimizer step and after each
+evaluation batch, saves ``last.pth`` there (a step boundary, so resuming is exact; a checkpoint saved
+mid-evaluation records that evaluation as owed, and the resumed run runs it first) and raises
+``TrainingInterrupted``, whose message is the command that resumes the run. A second SIGINT (Ctrl-C
+twice) is not caught: it stops the process at once (the atomic checkpoint write keeps the previous
+file). A repeated SIGTERM is ignored: a cluster delivers one preemption's SIGTERM more than once (SLURM
+signals every process of the job step, torchrun forwards its own to its workers, ``scancel`` may be
+repeated) and the escalation after the grace period is SIGKILL; dying at the second one would lose the
+checkpoint the first one asked for.
 """
 import signal
 import threading
@@ -19,9 +21,11 @@ __all__ = ['StopRequest', 'TrainingInterrupted']
 class TrainingInterrupted(Exception):
     """The run was stopped by a signal after saving a checkpoint; the message says how to resume."""
 
-    def __init__(self, signal_name: str, step: int, run_dir: Path):
+    def __init__(self, signal_name: str, step: int, run_dir: Path, evaluation_owed: bool = False):
         self.signal_name, self.step, self.run_dir = signal_name, step, run_dir
-        super().__init__(f'{signal_name} at step {step}: saved {run_dir / "last.pth"}; resume with: '
+        self.evaluation_owed = evaluation_owed
+        during, then = (' during its evaluation', ' (the resumed run evaluates first)') if evaluation_owed else ('', '')
+        super().__init__(f'{signal_name} at step {step}{during}: saved {run_dir / "last.pth"}{then}; resume with: '
                          f'vitblocks train --resume {run_dir}')
 
 
