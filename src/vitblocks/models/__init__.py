@@ -13,6 +13,7 @@ from . import vision_llama  # noqa: F401  (registers pyramid_visionllama_s/b/l w
 from .registry import VariantSpec, get_variant, list_models, register_variant, resolve_model_name
 from .surgery import SUPPORTED_FAMILIES, find_ffn_slots, swap_ffn
 from .weight_decay import expose_no_weight_decay, no_weight_decay_names
+from .layer_groups import expose_group_matcher, has_group_matcher
 from .repa import list_residual_ffns, swap_residual_ffn  # registers the RePa models
 from .mabvit import add_pre_logits, make_parallel, swap_value_attention  # registers the MABViT models
 from .ninformer import swap_gating_unit  # registers the NiNformer-paper models

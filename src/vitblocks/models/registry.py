@@ -15,6 +15,7 @@ from timm.models._builder import resolve_pretrained_cfg
 from torch import nn
 
 from .features import FEATURE_KWARGS, features_only
+from .layer_groups import expose_group_matcher
 
 __all__ = ['register_variant', 'list_models', 'get_variant', 'VariantSpec', 'resolve_model_name']
 
@@ -58,6 +59,7 @@ def _entrypoint(spec: VariantSpec):
             base_kwargs['img_size'] = tuple(cfg['input_size'][-2:])  # = the registered one, unless overlaid
         model = timm.create_model(spec.base, pretrained=False, pretrained_cfg=cfg, **{**base_kwargs, **kwargs})
         spec.build(model, {**spec.cfg, **(block_cfg or {})})
+        expose_group_matcher(model)  # timm's layer-wise LR decay needs one; timm's MetaFormer has none
         model.pretrained_cfg = model.default_cfg = cfg
         if feature_kwargs.pop('features_only', False):
             return features_only(model, spec.name, **feature_kwargs)
