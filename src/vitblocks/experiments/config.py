@@ -87,6 +87,8 @@ class TrainConfig:
     momentum: float = 0.9
     opt_eps: Optional[float] = None          # only for optimizers that have one (adam*, lamb, ...; not sgd)
     opt_betas: Optional[List[float]] = None  # as many as the optimizer takes (2; adan 3); not for sgd
+    layer_decay: Optional[float] = None      # layer-wise lr decay in (0, 1] (fine-tuning, timm --layer-decay): a unit
+                                             # of model.group_matcher() k units below the head trains at lr x this^k
     clip_grad: Optional[float] = None
     clip_mode: str = 'norm'
     sched: str = 'cosine'           # timm scheduler name ('cosine', 'step', ...) or 'none' (constant lr)

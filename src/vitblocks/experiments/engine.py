@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2, param_groups_weight_decay
 from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad
 from torch import nn
 
@@ -34,11 +33,12 @@ from .distributed import (DistInfo, all_reduce_sum, all_reduce_sum_async, barrie
                           is_lost_peer, sync_batchnorm_stats)
 from .evaluate import EvalResult, evaluate
 from .interrupt import StopRequest, TrainingInterrupted
+from .optim import build_optimizer, schedule_lr
 from .resume import auto_resume_checkpoint, load_on_every_rank
 from .runlog import STOP_RECORD, MetricsLog, Progress, remove_stale_temporaries, write_json, write_stop_record
 from .schedule import build_scheduler, restore_scheduler, scheduler_state
 from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader, model_name,
-                    no_weight_decay_names, open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
+                    open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
 
 __all__ = ['train', 'TrainingDiverged', 'LostProcess', 'RunResult', 'default_run_name', 'Trainer']
 
@@ -136,16 +136,9 @@ class Trainer:
         # the recipe's batch is the global batch: per-process micro-batch x processes x accumulation
         self.global_batch = cfg.batch_size * self.dist.world_size * cfg.grad_accum
         self.lr = cfg.lr if cfg.lr is not None else cfg.lr_base * self.global_batch / cfg.lr_base_size
-        opt_kwargs: Dict[str, Any] = {}
-        if cfg.opt_eps is not None:
-            opt_kwargs['eps'] = cfg.opt_eps
-        if cfg.opt_betas is not None:
-            opt_kwargs['betas'] = tuple(cfg.opt_betas)
-        # timm's weight-decay groups (1-D tensors and biases undecayed), with the names modules keep out too
-        params = param_groups_weight_decay(self.model, cfg.weight_decay,
-                                           no_weight_decay_list=no_weight_decay_names(self.model))
-        self.optimizer = create_optimizer_v2(params, opt=cfg.opt, lr=self.lr, weight_decay=cfg.weight_decay,
-                                             momentum=cfg.momentum, **opt_kwargs)
+        # timm's weight-decay groups (1-D tensors and biases undecayed, and the names modules keep out), or its
+        # layer-wise LR decay groups with the same exclusions (layer_decay)
+        self.optimizer = build_optimizer(cfg, self.model, self.lr)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.steps_per_epoch)
         self.ema = ModelEmaV3(self.model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup) \
             if cfg.model_ema else None
@@ -492,7 +485,7 @@ class Trainer:
         cfg = self.cfg
         self._loss_sum += loss
         self._loss_n += 1
-        lr = self.optimizer.param_groups[0]['lr']
+        lr = schedule_lr(self.optimizer)  # the head's lr under layer_decay (group 0 may be the stem's)
         last_in_epoch = self.epoch_step == self.steps_per_epoch
         if self.global_step % cfg.log_interval == 0 or last_in_epoch or self.global_step == self.total_steps:
             avg = (self._mean_over_ranks(self._loss_sum) / self._loss_n).item()  # the same on every rank

@@ -9,6 +9,12 @@ uninterrupted one.
 
 ``plateau`` is driven by the epoch's validation top-1 (timm's train.py default metric, mode
 'max'): stepped once per completed epoch that was evaluated (``eval_interval``), never mid-epoch.
+
+Layer-wise LR decay (``layer_decay``, ``experiments/optim.py``) gives each parameter group an ``lr_scale``;
+every group's lr is the schedule's lr x its scale. timm's schedulers multiply it in at every update
+(``Scheduler.update_groups``, the warm-up included); ``sched=none`` has no scheduler, so the scales are
+applied here once, and ``plateau``'s torch ``ReduceLROnPlateau`` (which multiplies the groups' current lrs, so
+keeps their ratios) gets each group's floor ``min_lr x lr_scale`` and no minimal decay (``eps``).
 """
 import warnings
 from typing import Any, Dict, Optional
@@ -27,7 +33,9 @@ PLATEAU_COUNTERS = ('best', 'num_bad_epochs', 'cooldown_counter', 'last_epoch')
 def build_scheduler(cfg: TrainConfig, optimizer: Optimizer, steps_per_epoch: int):
     """timm's scheduler for ``cfg.sched`` (None for 'none'), stepped per optimizer update, except
     ``plateau``, which timm steps per epoch only."""
-    if cfg.sched == 'none':
+    if cfg.sched == 'none':  # a constant lr: each group's, scaled once (the optimizer is fresh, at the base lr)
+        for group in optimizer.param_groups:
+            group['lr'] *= group.get('lr_scale', 1.0)
         return None
     plateau = cfg.sched == 'plateau'
     with warnings.catch_warnings():
@@ -38,7 +46,21 @@ def build_scheduler(cfg: TrainConfig, optimizer: Optimizer, steps_per_epoch: int
             warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, decay_epochs=cfg.decay_epochs, decay_rate=cfg.decay_rate,
             patience_epochs=cfg.patience_epochs, plateau_mode='max', step_on_epochs=plateau,
             updates_per_epoch=steps_per_epoch)
+    if plateau:
+        _scale_plateau_floor(scheduler.lr_scheduler, optimizer)
     return scheduler
+
+
+def _scale_plateau_floor(plateau, optimizer: Optimizer) -> None:
+    """torch's ``ReduceLROnPlateau`` floors every group at ``min_lr`` and skips a group's decay when it changes
+    the lr by less than ``eps`` (1e-8, absolute, one value for all groups). Under layer-wise decay a group's floor
+    is ``min_lr x lr_scale`` (else all groups would end at one lr), and ``eps`` is 0 (else the low groups, whose
+    lrs are that much smaller, would stop decaying before the head: any absolute threshold splits them); a
+    decay is then skipped only at the floor."""
+    scales = [group.get('lr_scale', 1.0) for group in optimizer.param_groups]
+    if any(scale != 1.0 for scale in scales):
+        plateau.min_lrs = [floor * scale for floor, scale in zip(plateau.min_lrs, scales)]
+        plateau.eps = 0.0
 
 
 def scheduler_state(scheduler) -> Optional[Dict[str, Any]]:

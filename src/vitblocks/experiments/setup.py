@@ -12,14 +12,12 @@ from ..data import (BatchTransform, DataError, EpochOrder, ImageDataset, PILLoad
 from ..data.shards import is_shard_path
 from ..data.transforms import PIL_ONLY_AUGMENTS
 from ..models import resolve_model_name
-from ..models.weight_decay import no_weight_decay_names  # re-exported: the trainer's optimizer groups
 from ..profile import fixed_image_size, input_size_of
 from .config import ConfigError, TrainConfig
 
-__all__ = ['create_model', 'model_name', 'mlp_dropout_kwargs', 'model_input_size', 'no_weight_decay_names',
-           'norm_stats', 'DataSetup', 'setup_data', 'make_loader', 'pil_transform', 'open_train_split',
-           'resolve_device', 'load_initial_weights', 'dataset_manifest', 'check_same_dataset',
-           'set_cuda_matmul_precision']
+__all__ = ['create_model', 'model_name', 'mlp_dropout_kwargs', 'model_input_size', 'norm_stats', 'DataSetup',
+           'setup_data', 'make_loader', 'pil_transform', 'open_train_split', 'resolve_device', 'load_initial_weights',
+           'dataset_manifest', 'check_same_dataset', 'set_cuda_matmul_precision']
 
 
 def resolve_device(name: str) -> torch.device:
