@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Everything still owed to a GPU, in priority order, as ONE background job on the GPU machine:
+#   0. beside the rest, the suite's CUDA-only tests (CUDA_TESTS)                  -> runs/gpu-t1-cudatests.txt
 #   1. issue 10, NiNformer Table 1: 8 runs at once (100 epochs, `ninformer` recipe, fp32 with TF32
 #      matmuls, compiled with CUDA graphs), as many as fit in T1_TIME_LIMIT       -> runs/gpu-t1
 #      (rows committed finished under T1_SEED are reused, not retrained), and beside them the CIFAR-10
@@ -49,12 +50,16 @@ t1_min=${T1_MIN:-600}
 t1_seed=${T1_SEED-docs/results/ninformer_table1_h100}
 vit_seeds=${VIT_SEEDS-1 2}                             # more seeds of the CIFAR-10 ViT row (empty: none)
 recheck_min=${RECHECK_MIN:-300}
+cuda_tests=${CUDA_TESTS:-"tests/test_scale.py -k cuda_vote"}
 sweep_flags=${SWEEP_FLAGS:-"--device cuda"}
 profile_flags=${PROFILE_FLAGS:-"--device cuda"}
 profile_models=${PROFILE_MODELS:-"iffn_deit_small_patch16_224 iffn_deit_small_patch16_224:bf16 afbo_poolformer_s12"}
 
 job() {  # the background job: each step in turn, whatever the one before it left
   t1_end=$(( $(date +%s) + t1_limit ))
+  # the suite's CUDA-only tests (skipped on a CPU), beside everything else: seconds   -> runs/gpu-t1-cudatests.txt
+  ( $python -m pytest -q -p no:cacheprovider -rs $cuda_tests > runs/gpu-t1-cudatests.txt 2>&1 < /dev/null
+    echo "$(date -u +%T) cuda tests exit $?" >> runs/lease.log ) &
   if [ "$t1_limit" -lt "$t1_min" ]; then
     echo "$(date -u +%T) table1 skipped: T1_TIME_LIMIT ${t1_limit} s < T1_MIN ${t1_min} s" >> runs/lease.log
     : > runs/gpu-t1-rechecks.txt

@@ -28,7 +28,7 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
                      num_classes=10)
         write_shards(tmp_path / 'data' / name, 'test', n=32, per_shard=32, size=size, channels=channels,
                      num_classes=10, seed=1)
-    for d in ('src', 'scripts', 'docs'):
+    for d in ('src', 'scripts', 'docs', 'tests'):
         (tmp_path / d).symlink_to(ROOT / d)
     (tmp_path / 'out').mkdir()
     env = {**os.environ, 'OUT': str(tmp_path / 'out'), 'PYTHON': sys.executable,
@@ -53,6 +53,9 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
         second.stdout + (tmp_path / 'runs/gpu-t1.log').read_text()[-3000:]
     log = (tmp_path / 'runs/lease.log').read_text()
     assert 'table1 exit 0' in log and 'torchinit exit 0' in log
+    # the CUDA-only tests ran (skipped here, on the CPU) and their report is packed
+    assert 'cuda tests exit 0' in log
+    assert '1 skipped' in (tmp_path / 'runs/gpu-t1-cudatests.txt').read_text()
     assert 'profile iffn_deit_tiny_patch16_224 exit 0' in log and 'sweep exit 0' in log
     # the committed H100 sweep was seeded in, refused on this other setup, and set aside, not mixed in
     assert (tmp_path / 'runs/gpu15-other-setup/env.json').is_file()

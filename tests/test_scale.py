@@ -442,6 +442,34 @@ def test_under_ddp_a_stop_is_agreed_one_step_after_the_signal_whatever_the_log_i
     assert Trainer._stop_requested(fake, now=True) and fake._stop_vote is None  # after an evaluation: at once
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device (run by scripts/gpu_lease.sh)')
+def test_a_cuda_vote_is_read_without_waiting_for_the_kernels_queued_after_it():
+    """The stop vote of step i is read at step i+1, with that step already queued: reading it must wait for the
+    vote only (an event recorded behind its copy to pinned memory), not for the step queued after it, as
+    float() of the device tensor would. A one-rank NCCL group; a sleeping kernel stands in for the next step."""
+    import time
+    import torch.distributed as dist
+    from vitblocks.experiments.distributed import all_reduce_sum_async
+    dist.init_process_group('nccl', store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for _ in range(2):  # the first vote also warms NCCL and the pinned-memory cache up
+            vote = all_reduce_sum_async(torch.full((1,), 1., device='cuda'))
+            torch.cuda._sleep(2 ** 31)  # about a second of one SM busy
+            t0 = time.perf_counter()
+            assert vote.result() == 1.0
+            read = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            queued = time.perf_counter() - t0
+        assert read < 0.2 * queued, (read, queued)
+        old_style = torch.full((1,), 1., device='cuda')
+        torch.cuda._sleep(2 ** 31)
+        t0 = time.perf_counter()
+        float(old_style.sum())  # what the vote did before: waits for the sleeping kernel
+        assert time.perf_counter() - t0 > 0.5 * queued
+    finally:
+        dist.destroy_process_group()
+
+
 def test_failed_collectives_of_a_lost_process_are_told_from_other_errors():
     from vitblocks.experiments.distributed import is_lost_peer
     gloo = ('[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:52115. '

@@ -112,12 +112,28 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 class PendingSum:
-    """A sum over the ranks started by ``all_reduce_sum_async``; ``result()`` waits for it (a number)."""
+    """A sum over the ranks started by ``all_reduce_sum_async``; ``result()`` waits for it (a number).
+
+    On a CUDA device the sum is copied to pinned host memory behind the collective and a CUDA event is
+    recorded after the copy, when the sum is started: ``result()`` waits for that event only, so the kernels
+    queued after it (the next training step) keep running. Reading the device tensor instead (``float(t)``)
+    would wait for every kernel queued ahead of the read: a device sync per step."""
 
     def __init__(self, t: torch.Tensor, work: Optional[Any] = None):
-        self._t, self._work = t, work
+        self._t, self._work, self._ready = t, work, None
+        if t.is_cuda:
+            if work is not None:  # NCCL: the current stream waits for the collective; the host does not
+                work.wait()
+                self._work = None
+            self._t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._t.copy_(t, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
 
     def result(self) -> float:
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
         if self._work is not None:
             self._work.wait()
             self._work = None

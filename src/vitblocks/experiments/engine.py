@@ -517,7 +517,8 @@ class Trainer:
         batch: a cluster gives a preempted job a grace period (torchrun waits 30 s for its workers, SLURM's KillWait
         is 30 s by default) and the checkpoint must be written within it. Under DDP every rank must stop at the same
         step (or batch): each call's flag is summed over the ranks asynchronously and read at the next call, once
-        the next step is queued (``now``: read the current one too, waiting for it). One chain of votes runs through
+        the next step is queued (``now``: read the current one too, waiting for it); on a GPU reading it waits for
+        the vote's own event, not for the step queued after it (``PendingSum``). One chain of votes runs through
         steps and evaluation batches alike; every rank makes the same calls in the same order."""
         stop = getattr(self, '_stop', None)
         if stop is None:
