@@ -23,7 +23,8 @@ RECIPE_DIR = Path(__file__).parent / 'recipes'
 # keys a resumed run may change without leaving the trajectory it was on (budgets, logging, where it runs)
 RESUME_CHANGEABLE = frozenset({'epochs', 'max_steps', 'workers', 'threads', 'progress', 'log_interval',
                                'checkpoint_interval', 'eval_interval', 'tensorboard', 'device',
-                               'compile', 'compile_mode', 'resume', 'channels_last', 'grad_accum'})
+                               'compile', 'compile_mode', 'resume', 'channels_last', 'grad_accum',
+                               'grad_checkpointing'})
 # keys that say where a run lives or reads from, not what it computes: a resumed run may differ in them
 # (``data``/``train_url`` only when the dataset is the same one, checked against the checkpoint's dataset manifest)
 RESUME_LOCATION = frozenset({'data', 'train_url', 'output', 'name', 'initial_checkpoint'})
@@ -107,6 +108,8 @@ class TrainConfig:
     amp_dtype: str = 'bfloat16'     # or 'float16' (uses a GradScaler)
     matmul_precision: str = 'highest'  # CUDA fp32 matmuls/convs: 'highest' fp32, 'high' TF32 (ignored on CPU)
     compile: bool = False           # torch.compile the model
+    grad_checkpointing: bool = False  # recompute each block's activations in the backward pass (timm's
+                                      # set_grad_checkpointing): less memory, ~1/3 more compute, the same result
     compile_mode: str = 'default'   # torch.compile mode; 'reduce-overhead' (CUDA graphs) suits small models on a GPU
                                     # (on the CPU torch has no graphs to capture: it runs as 'default')
     threads: Optional[int] = None   # torch intra-op threads (default: torch's; 1 is fastest on a busy CPU)

@@ -37,8 +37,8 @@ from .optim import build_optimizer, schedule_lr
 from .resume import auto_resume_checkpoint, load_on_every_rank
 from .runlog import STOP_RECORD, MetricsLog, Progress, remove_stale_temporaries, write_json, write_stop_record
 from .schedule import build_scheduler, restore_scheduler, scheduler_state
-from .setup import (check_same_dataset, create_model, dataset_manifest, load_initial_weights, make_loader, model_name,
-                    open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
+from .setup import (check_same_dataset, create_model, dataset_manifest, enable_grad_checkpointing, load_initial_weights,
+                    make_loader, model_name, open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
 
 __all__ = ['train', 'TrainingDiverged', 'LostProcess', 'RunResult', 'default_run_name', 'Trainer']
 
@@ -106,6 +106,8 @@ class Trainer:
         if model is None:
             model_name(cfg)  # an unknown name fails now, not after the training split is decoded for its classes
         self.model = model if model is not None else create_model(cfg, cfg.num_classes or self._peek_classes())
+        if cfg.grad_checkpointing:
+            enable_grad_checkpointing(self.model, cfg.model or type(self.model).__name__)
         self._notes = []
         if ckpt is None and cfg.initial_checkpoint:
             self._notes.append(load_initial_weights(self.model, cfg.initial_checkpoint))

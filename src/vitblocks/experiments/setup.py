@@ -15,9 +15,10 @@ from ..models import resolve_model_name
 from ..profile import fixed_image_size, input_size_of
 from .config import ConfigError, TrainConfig
 
-__all__ = ['create_model', 'model_name', 'mlp_dropout_kwargs', 'model_input_size', 'norm_stats', 'DataSetup',
-           'setup_data', 'make_loader', 'pil_transform', 'open_train_split', 'resolve_device', 'load_initial_weights',
-           'dataset_manifest', 'check_same_dataset', 'set_cuda_matmul_precision']
+__all__ = ['create_model', 'enable_grad_checkpointing', 'model_name', 'mlp_dropout_kwargs', 'model_input_size',
+           'norm_stats', 'DataSetup', 'setup_data', 'make_loader', 'pil_transform', 'open_train_split',
+           'resolve_device', 'load_initial_weights', 'dataset_manifest', 'check_same_dataset',
+           'set_cuda_matmul_precision']
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,6 +76,44 @@ def create_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     except TypeError as e:
         raise ConfigError(f'cannot build {name} with {kwargs}: {e}; check model_kwargs / drop_rate / '
                           f'drop_path_rate') from None
+
+
+def enable_grad_checkpointing(model: nn.Module, name: str) -> int:
+    """timm's activation checkpointing (``set_grad_checkpointing``: each block's forward is recomputed in the
+    backward pass instead of keeping its activations), or a ConfigError for a model that has none.
+
+    A recomputed BatchNorm (IFFN's, RePa's training form, ...) would update its running statistics a second
+    time per step; each one gets a forward pre-hook that keeps them still while the forward runs inside the
+    backward pass (the recomputation; its output uses the batch statistics either way), so the run ends with the
+    statistics, and the evaluations, of a run without checkpointing. Returns how many BatchNorms got the hook."""
+    setter = getattr(model, 'set_grad_checkpointing', None)
+    if not callable(setter):
+        raise ConfigError(f'grad_checkpointing=true: {name} ({type(model).__name__}) has no set_grad_checkpointing() '
+                          f'(timm\'s switch for recomputing its blocks in the backward pass); drop grad_checkpointing')
+    try:
+        setter(True)
+    except (AssertionError, NotImplementedError) as e:  # timm models that do not support it assert so
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f'grad_checkpointing=true: {name} does not support it ({why}); '
+                          f'drop grad_checkpointing') from None
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    for norm in norms:
+        norm.momentum_outside_backward = norm.momentum
+        norm.register_forward_pre_hook(_running_stats_still_in_backward)
+    return len(norms)
+
+
+def _running_stats_still_in_backward(norm: nn.Module, args) -> None:
+    """BatchNorm forward pre-hook. Inside a backward pass (where a checkpointed block is recomputed) the update of
+    the running statistics is made a no-op: momentum 0 (``running x 1 + batch x 0``, exact) and the batch counter
+    one lower, which the forward adds back; the forward itself, the tensors it saves and its output are unchanged.
+    Outside, the module's own momentum (torch's BatchNorm reads both at each forward)."""
+    if torch._C._current_graph_task_id() == -1:
+        norm.momentum = norm.momentum_outside_backward
+        return
+    norm.momentum = 0.0
+    if norm.num_batches_tracked is not None:
+        norm.num_batches_tracked.sub_(1)
 
 
 def model_input_size(model: nn.Module, cfg: TrainConfig) -> Tuple[int, int, int]:
