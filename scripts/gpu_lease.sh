@@ -55,6 +55,13 @@ sweep_flags=${SWEEP_FLAGS:-"--device cuda"}
 profile_flags=${PROFILE_FLAGS:-"--device cuda"}
 profile_models=${PROFILE_MODELS:-"iffn_deit_small_patch16_224 iffn_deit_small_patch16_224:bf16 afbo_poolformer_s12"}
 
+beside() {  # NAME ROW SETTING: one CIFAR-10 row with one more --set SETTING, in the background beside Table 1,
+  # under its time limit                                                          -> runs/gpu-t1-NAME(.log)
+  ( $python -m vitblocks reproduce ninformer-table1 --datasets cifar10 --models "$2" --output "runs/gpu-t1-$1" \
+      --time-limit "$t1_limit" $t1_flags "$3" >> "runs/gpu-t1-$1.log" 2>&1 < /dev/null
+    echo "$(date -u +%T) $1 exit $?" >> runs/lease.log ) &
+}
+
 job() {  # the background job: each step in turn, whatever the one before it left
   t1_end=$(( $(date +%s) + t1_limit ))
   # the suite's CUDA-only tests (skipped on a CPU), beside everything else: seconds   -> runs/gpu-t1-cudatests.txt
@@ -65,18 +72,10 @@ job() {  # the background job: each step in turn, whatever the one before it lef
     : > runs/gpu-t1-rechecks.txt
   else
     # the init ablation: NiNformer's CIFAR-10 row, which plateaus near 75% (paper 81.59) with timm's init
-    ( $python -m vitblocks reproduce ninformer-table1 --datasets cifar10 --models NiNformer \
-        --output runs/gpu-t1-torchinit --time-limit "$t1_limit" $t1_flags "model_kwargs={block_cfg: {init: torch}}" \
-        >> runs/gpu-t1-torchinit.log 2>&1 < /dev/null
-      echo "$(date -u +%T) torchinit exit $?" >> runs/lease.log ) &
+    beside torchinit NiNformer "model_kwargs={block_cfg: {init: torch}}"
     # the seed spread of the CIFAR-10 ViT row (seed 0: 64.07 at epoch 100, 61.23-64.95 over its last 20
     # epochs; paper 65.74): the same run with seeds 1 and 2
-    for seed in $vit_seeds; do
-      ( $python -m vitblocks reproduce ninformer-table1 --datasets cifar10 --models ViT \
-          --output "runs/gpu-t1-seed$seed" --time-limit "$t1_limit" $t1_flags "seed=$seed" \
-          >> "runs/gpu-t1-seed$seed.log" 2>&1 < /dev/null
-        echo "$(date -u +%T) seed$seed exit $?" >> runs/lease.log ) &
-    done
+    for seed in $vit_seeds; do beside "seed$seed" ViT "seed=$seed"; done
     $python -m vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --jobs 8 --output runs/gpu-t1 \
       --time-limit "$t1_limit" $t1_flags >> runs/gpu-t1.log 2>&1
     rc=$?  # (a command substitution in the echo below would reset $?)

@@ -30,6 +30,9 @@ import tempfile
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / 'src'
+sys.path.insert(0, str(SRC))
+from vitblocks.experiments.runlog import read_metrics  # noqa: E402  (after the path: this checkout's vitblocks)
+
 DATASET_ORDER = ('mnist', 'cifar10', 'cifar100')  # Table 1's columns
 LEASE_SET = ['deterministic=false', 'matmul_precision=high']  # what a lease run computes with (lease_settings.sh)
 GROUPS = {  # run group -> (docs folder suffix, the --set values that made its runs, on top of LEASE_SET)
@@ -70,9 +73,8 @@ def unpack(archive: Path, into: Path) -> Path:
 
 def last_epoch(run: Path) -> float:
     """The epoch of a run's last test evaluation (0 if none)."""
-    rows = [line.split(',') for line in (run / 'metrics.csv').read_text().splitlines()[1:]] \
-        if (run / 'metrics.csv').is_file() else []
-    epochs = [float(r[1]) for r in rows if len(r) > 2 and r[2] == 'val']
+    metrics = run / 'metrics.csv'
+    epochs = [float(r['epoch']) for r in read_metrics(metrics) if r['split'] == 'val'] if metrics.is_file() else []
     return epochs[-1] if epochs else 0.
 
 

@@ -575,9 +575,9 @@ class Trainer:
         if self.ema is not None:
             sync_batchnorm_stats(self.ema.module, mode)
 
-    def _evaluate(self, stop: Optional[Callable[[], bool]] = None):
+    def _evaluate(self, stop: Callable[[], bool]):
         """The model's and the EMA's evaluation, logged (best.pth on a new best top-1); None, with nothing logged or
-        saved, if ``stop`` ended either early."""
+        saved, if ``stop`` ended either early (only ``_evaluate_or_stop`` calls it)."""
         self._sync_batchnorm_stats()
         res = evaluate(self.model, self.val_loader, self.num_classes, self.device, autocast=self.autocast(),
                        progress=self.progress.mode, stop=stop)

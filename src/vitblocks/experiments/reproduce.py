@@ -83,21 +83,41 @@ def _check_same_model(cfg: TrainConfig, results: Dict, run_dir: Path) -> None:
                         f'again, or use another --output')
 
 
+def _changed_keys(cfg: TrainConfig, run_dir: Path) -> List[str]:
+    """The config keys in which the run in ``run_dir`` (its config.yaml) differs from ``cfg``, sorted."""
+    done = load_config(run_dir / 'config.yaml').to_dict()
+    return sorted(k for k, v in cfg.to_dict().items() if done.get(k) != v)
+
+
+def _reusable_results(cfg: TrainConfig, run_dir: Path, changed: Sequence[str]) -> Optional[Dict]:
+    """The results of the finished run in ``run_dir`` if it differs from ``cfg`` only in keys that do not change
+    a result (e.g. --threads, --device) and still builds the same model; else None."""
+    results = run_dir / 'results.json'
+    if not (set(changed) <= _SAME_RESULT and results.exists()):
+        return None
+    done_results = json.loads(results.read_text())
+    _check_same_model(cfg, done_results, run_dir)
+    return done_results
+
+
+def _refuse_other_config(run_dir: Path, changed: Sequence[str]) -> None:
+    """A run that differs from the asked one in keys a resume may not change is an error."""
+    if set(changed) - RESUME_CHANGEABLE:
+        raise DataError(f'{run_dir} holds a run with another config ({", ".join(changed)} differ); '
+                        f'remove it or use another --output')
+
+
 def run_or_reuse(cfg: TrainConfig, run_dir: Path) -> Dict:
     """Reuse a finished run of this config (the results alone suffice: checkpoints may be gone), continue
     one that stopped or ran on a smaller budget (only ``RESUME_CHANGEABLE`` keys may differ), else start it."""
     last, results = run_dir / 'last.pth', run_dir / 'results.json'
     if (run_dir / 'config.yaml').exists():
-        done = load_config(run_dir / 'config.yaml').to_dict()
-        changed = sorted(k for k, v in cfg.to_dict().items() if done.get(k) != v)
-        if set(changed) <= _SAME_RESULT and results.exists():  # e.g. only --threads or --device differ
-            done_results = json.loads(results.read_text())
-            _check_same_model(cfg, done_results, run_dir)
+        changed = _changed_keys(cfg, run_dir)
+        done_results = _reusable_results(cfg, run_dir, changed)
+        if done_results is not None:
             return done_results
         if last.exists():
-            if set(changed) - RESUME_CHANGEABLE:
-                raise DataError(f'{run_dir} holds a run with another config ({", ".join(changed)} differ); '
-                                f'remove it or use another --output')
+            _refuse_other_config(run_dir, changed)
             train(cfg, run_dir=run_dir, resume=last)
             return json.loads(results.read_text())
         if results.exists():  # finished, its checkpoints gone: nothing to continue, and its results to keep
@@ -116,15 +136,11 @@ def read_run(cfg: TrainConfig, run_dir: Path) -> Optional[Dict]:
     a run of another config is an error, as for ``run_or_reuse``."""
     if not (run_dir / 'config.yaml').exists():
         return None
-    done = load_config(run_dir / 'config.yaml').to_dict()
-    changed = {k for k, v in cfg.to_dict().items() if done.get(k) != v}
-    if changed <= _SAME_RESULT and (run_dir / 'results.json').exists():
-        results = json.loads((run_dir / 'results.json').read_text())
-        _check_same_model(cfg, results, run_dir)
+    changed = _changed_keys(cfg, run_dir)
+    results = _reusable_results(cfg, run_dir, changed)
+    if results is not None:
         return results
-    if changed - RESUME_CHANGEABLE:
-        raise DataError(f'{run_dir} holds a run with another config ({", ".join(sorted(changed))} differ); '
-                        f'remove it or use another --output')
+    _refuse_other_config(run_dir, changed)
     metrics = run_dir / 'metrics.csv'
     evals = [r for r in read_metrics(metrics) if r['split'] == 'val'] if metrics.exists() else []
     if not evals:
@@ -227,7 +243,8 @@ def ninformer_config(ds: str, row, data: Path, epochs: Optional[int] = None, max
     """The config one Table 1 run trains with: the ``ninformer`` recipe, the dataset's overrides
     (``NINFORMER_DATASETS``), the row's model, then the budget and ``extra`` overrides."""
     layer = {'model': row.model, 'data': str(data), 'device': device, 'progress': 'auto',
-             'model_kwargs': dict(row.base_kwargs), 'mlp_drop': dropout, 'num_classes': row.base_kwargs.get('num_classes')}
+             'model_kwargs': dict(row.base_kwargs), 'mlp_drop': dropout,
+             'num_classes': row.base_kwargs.get('num_classes')}
     budget = budget_overrides(epochs, max_steps, train_subset, test_subset, threads)
     return merge(load_recipe('ninformer'), NINFORMER_DATASETS[ds][2], layer, budget, extra or {})
 
