@@ -1,5 +1,6 @@
-"""What large shard sets need beyond reading a tar: a per-sample index cached once per node, and
-a bounded number of open shard files per process.
+"""What shard sets need beyond reading a tar: a per-sample index of a large set and the decoded images
+of a small one, each made once per node (``cached_on_node``), and a bounded number of open shard files
+per process.
 
 Why not ``wids`` (webdataset's indexed dataset, a separate package from ``webdataset`` 1.0.2):
 its ``ShardListDataset`` copies every local shard into a cache folder (``/tmp/_wids_cache``) or,
@@ -12,6 +13,7 @@ LRU of open files (``OpenShards``).
 import fcntl
 import hashlib
 import os
+import sys
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -19,7 +21,8 @@ from typing import Any, Callable, Dict, Sequence
 
 import torch
 
-__all__ = ['OpenShards', 'cached_index', 'index_cache_dir', 'MAX_OPEN_SHARDS', 'CACHE_ENV']
+__all__ = ['OpenShards', 'cached_index', 'cached_on_node', 'index_cache_dir', 'node_cache_dir', 'MAX_OPEN_SHARDS',
+           'CACHE_ENV']
 
 CACHE_ENV = 'VITBLOCKS_CACHE'
 INDEX_FORMAT = 'vitblocks-shard-index-v1'
@@ -27,12 +30,17 @@ INDEX_FORMAT = 'vitblocks-shard-index-v1'
 MAX_OPEN_SHARDS = 64
 
 
-def index_cache_dir() -> Path:
-    """``$VITBLOCKS_CACHE/shard-index``, else ``$XDG_CACHE_HOME`` or ``~/.cache`` ``/vitblocks/shard-index``
-    (node-local by default, so each node indexes once)."""
+def node_cache_dir(kind: str) -> Path:
+    """``$VITBLOCKS_CACHE/<kind>``, else ``$XDG_CACHE_HOME`` or ``~/.cache`` ``/vitblocks/<kind>`` (node-local by
+    default, so each node builds a cached file once). Any file there may be deleted at any time."""
     root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache',
                                                      'vitblocks')
-    return Path(root) / 'shard-index'
+    return Path(root) / kind
+
+
+def index_cache_dir() -> Path:
+    """Where shard indexes are cached: ``node_cache_dir('shard-index')``."""
+    return node_cache_dir('shard-index')
 
 
 def _set_key(shards: Sequence[Path]) -> str:
@@ -45,36 +53,54 @@ def _set_key(shards: Sequence[Path]) -> str:
 
 
 def cached_index(shards: Sequence[Path], build: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
-    """``build()``'s index of ``shards``, read from the cache when an identical set was indexed before.
+    """``build()``'s index of ``shards``, read from the cache when an identical set was indexed before
+    (one tar walk per node, not per rank; see :func:`cached_on_node`)."""
+    return cached_on_node('shard-index', INDEX_FORMAT, shards, build, f'indexing {len(shards)} shards')
 
-    The first process of a node to get here builds it under an exclusive file lock; every other
-    rank and worker waits for the lock and then reads the file (one tar walk per node, not per
-    rank). A cache folder that cannot be written is not an error: the index is built in memory.
+
+def cached_on_node(kind: str, fmt: str, shards: Sequence[Path], build: Callable[[], Dict[str, Any]],
+                   what: str) -> Dict[str, Any]:
+    """``build()``'s dict for ``shards``, from ``node_cache_dir(kind)`` when this node made it for the same
+    shard files before (same paths, sizes and modification times) in format ``fmt``.
+
+    The first process of a node to get here builds it under an exclusive file lock and writes it
+    atomically; every other rank, worker or concurrent run waits for the lock (saying so) and then
+    reads the file. A cut-off or foreign file is built again. A cache that cannot be written (no
+    permission, disk full) is not an error: the result is built in this process, with a warning.
+    ``build()`` must return tensors, lists, tuples, numbers and strings only (``weights_only`` load).
     """
     key = _set_key(shards)
-    cache = index_cache_dir()
+    cache = node_cache_dir(kind)
     path = cache / f'{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt'
     try:
         cache.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix('.lock'), 'a+')
     except OSError as e:
-        warnings.warn(f'shard index cache {cache} is not writable ({e}); indexing {len(shards)} shards in this '
-                      f'process (set {CACHE_ENV} to a writable folder to index once per node)')
+        warnings.warn(f'{kind} cache {cache} is not writable ({e}); {what} in this process (set {CACHE_ENV} to a '
+                      f'writable folder to do it once per node)')
         return build()
     with lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f'waiting for another process {what} (lock {lock.name})', file=sys.stderr, flush=True)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
         if path.is_file():
             try:
-                index = torch.load(path, map_location='cpu', weights_only=True)
-                if isinstance(index, dict) and index.get('format') == INDEX_FORMAT and index.get('key') == key:
-                    return index
-            except Exception:  # a cut-off or foreign file: rebuild it
+                cached = torch.load(path, map_location='cpu', weights_only=True)
+                if isinstance(cached, dict) and cached.get('format') == fmt and cached.get('key') == key:
+                    return cached
+            except Exception:  # a cut-off or foreign file: build it again
                 pass
-        index = {**build(), 'format': INDEX_FORMAT, 'key': key}
+        built = {**build(), 'format': fmt, 'key': key}
         tmp = path.with_suffix(f'.{os.getpid()}.tmp')
-        torch.save(index, tmp)
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
-        return index
+        try:
+            torch.save(built, tmp)
+            os.replace(tmp, path)  # atomic: a reader never sees half a file
+        except (OSError, RuntimeError) as e:  # a full disk: torch.save raises RuntimeError from its zip writer
+            tmp.unlink(missing_ok=True)
+            warnings.warn(f'could not write {path} ({e}); {what} again in the next process')
+        return built
 
 
 class OpenShards:

@@ -7,7 +7,11 @@ the first dot of its base name): ``<key>.jpg|jpeg|png|webp|bmp|ppm`` holds the i
 
 Small datasets (MNIST, CIFAR) are decoded once into one ``(N, C, H, W)`` uint8 tensor and
 cached in this process, since decoding every JPEG/PNG every epoch dominates a CPU run (small
-sets of images of several sizes are kept decoded as one array per image). Large uncompressed
+sets of images of several sizes are kept decoded as one array per image). Sets of up to
+``MAX_DISK_CACHED_SHARD_BYTES`` are decoded once per node: the first process writes the decoded
+set to ``$VITBLOCKS_CACHE/decoded`` and every later or concurrent run, rank or test reads it
+(CIFAR-10's train split: ~25 s of decoding per process on 2 cores, and minutes for eight runs
+started at once on one GPU machine, against a fraction of a second to read). Large uncompressed
 ``.tar`` shards are indexed instead (the index cached on disk once per node) and read member by
 member through a bounded set of open files (``shard_index``); a large ``.tar.gz`` cannot be read
 that way (gzip has no random access), so we say so.
@@ -29,7 +33,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ..ticker import Ticker
 from .base import DataError, ImageDataset, array_to_pil, to_pil
-from .shard_index import MAX_OPEN_SHARDS, OpenShards, cached_index
+from .shard_index import MAX_OPEN_SHARDS, OpenShards, cached_index, cached_on_node
 
 __all__ = ['ShardDataset', 'find_shards', 'is_shard_path', 'read_manifest', 'manifest_counts', 'manifest_folder',
            'SHARD_SUFFIXES']
@@ -38,6 +42,10 @@ SHARD_SUFFIXES = ('.tar', '.tar.gz', '.tgz')
 IMAGE_EXTS = ('jpg', 'jpeg', 'png', 'webp', 'bmp', 'ppm')
 # decoded-in-memory limit: above this many compressed bytes we index .tar shards instead
 MAX_CACHED_SHARD_BYTES = 2 << 30
+# decoded once per node, into node_cache_dir('decoded'), up to this many compressed bytes (a decoded copy of
+# PNG/JPEG shards takes ~5-10x their size on disk; CIFAR-10's 20 MB of shards give 185 MB)
+MAX_DISK_CACHED_SHARD_BYTES = 256 << 20
+DECODED_FORMAT = 'vitblocks-decoded-shards-v1'
 _MEMORY_CACHE: Dict[Tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 _MEMORY_CACHE_SLOTS = 4
 
@@ -282,10 +290,27 @@ class ShardDataset(ImageDataset):
         key = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in self.shards)
         if key in _MEMORY_CACHE:  # decoded before; the manifest it is checked against may be another one
             images, targets, keys = _MEMORY_CACHE[key]
-            counts = np.bincount([i for i, _ in keys], minlength=len(self.shards))
-            for shard, count in zip(self.shards, counts.tolist()):
-                self._check_count(shard, count)
-            return images, targets, keys
+        else:
+            if sum(k[1] for k in key) <= MAX_DISK_CACHED_SHARD_BYTES:
+                decoded = cached_on_node('decoded', DECODED_FORMAT, self.shards, self._decode,
+                                         f'decoding {self.source}')
+            else:
+                decoded = self._decode()
+            images, targets = decoded['images'], decoded['targets']
+            if not isinstance(images, torch.Tensor):  # several sizes: one (H, W[, C]) array each
+                images = [t.numpy() for t in images]
+            keys = [(int(i), str(k)) for i, k in decoded['keys']]
+            if len(_MEMORY_CACHE) >= _MEMORY_CACHE_SLOTS:
+                _MEMORY_CACHE.pop(next(iter(_MEMORY_CACHE)))
+            _MEMORY_CACHE[key] = (images, targets, keys)
+        counts = np.bincount([i for i, _ in keys], minlength=len(self.shards))
+        for shard, count in zip(self.shards, counts.tolist()):
+            self._check_count(shard, count)
+        return images, targets, keys
+
+    def _decode(self) -> Dict[str, Any]:
+        """Every shard decoded: {'images': (N, C, H, W) uint8 tensor, or a list of one tensor per image when
+        they differ in size; 'targets': (N,) int64; 'keys': [(shard index, sample key)] in order}."""
         ticker = Ticker(len(self.shards), 'shards', f'decoding {self.source}', interval_s=5.0)
         with ThreadPoolExecutor(max_workers=min(len(self.shards), os.cpu_count() or 1)) as pool:
             parts = []
@@ -297,13 +322,9 @@ class ShardDataset(ImageDataset):
             self._check_count(shard, len(imgs))
         arrays = [a for imgs, _, _ in parts for a in imgs]
         stacked = _stack(arrays)
-        images = stacked if stacked is not None else arrays
-        targets = torch.tensor([c for _, labels, _ in parts for c in labels], dtype=torch.long)
-        keys = [(i, k) for i, (_, _, ks) in enumerate(parts) for k in ks]
-        if len(_MEMORY_CACHE) >= _MEMORY_CACHE_SLOTS:
-            _MEMORY_CACHE.pop(next(iter(_MEMORY_CACHE)))
-        _MEMORY_CACHE[key] = (images, targets, keys)
-        return images, targets, keys
+        return {'images': stacked if stacked is not None else [torch.tensor(a) for a in arrays],
+                'targets': torch.tensor([c for _, labels, _ in parts for c in labels], dtype=torch.long),
+                'keys': [(i, k) for i, (_, _, ks) in enumerate(parts) for k in ks]}
 
     def _check_count(self, shard: Path, count: int) -> None:
         expected = getattr(self, '_expected', {}).get(shard.name)
