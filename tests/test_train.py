@@ -31,6 +31,7 @@ from vitblocks.data import DataError
 from vitblocks.experiments import (CheckpointError, TrainingDiverged, TrainingInterrupted, list_recipes,
                                    load_checkpoint, load_model_weights, load_recipe, merge, save_checkpoint, train)
 from vitblocks.experiments.config import ConfigError, parse_overrides
+from vitblocks.experiments import engine
 from vitblocks.experiments.engine import Trainer
 from vitblocks.experiments.reproduce import run_or_reuse
 from vitblocks.experiments.runlog import read_stop_record
@@ -545,6 +546,27 @@ def test_cli_train_eval_and_resume(data, tmp_path, capsys):
     code, out, err = run_cli(capsys, 'eval', '--checkpoint', tmp_path / 'r' / 'last.pth', '--data', data,
                              '--reparam', '--threads', 1)
     assert code == 0 and 'reparameterized' in out, err
+
+
+def test_the_log_says_how_long_setup_and_the_first_step_took(data, tmp_path, capsys, monkeypatch):
+    # a lease's eight runs spent minutes before training (decoding, compiling): each log now says how many
+    kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=log',
+          'tensorboard=false', 'log_interval=1']
+    code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
+                             'ninformer', '--max-steps', 2, '--batch-size', 8, '--output', tmp_path, '--name', 'r',
+                             '--threads', 1, *kw)
+    assert code == 0, err
+    lines = err.splitlines()
+    (run_line,) = [i for i, line in enumerate(lines) if line.startswith(f'run {tmp_path / "r"}:')]
+    assert re.search(r', set up \d+ s after the process started$', lines[run_line])
+    assert re.fullmatch(r'first step of this process \(step 1\) done \d+ s after it started \(compiling included\)',
+                        lines[run_line + 1])
+    assert lines[run_line + 2].startswith('step 2/2 ')  # (step 1 has no rate to print yet)
+    assert len([line for line in lines if line.startswith('first step')]) == 1
+    monkeypatch.setattr(engine, 'process_age_s', lambda: None)  # no /proc: no figures, no error
+    code, out, err = run_cli(capsys, 'train', '--resume', tmp_path / 'r', 'max_steps=3')
+    assert code == 0 and 'from step 2' in err and 'after the process started' not in err, err
+    assert 'first step' not in err
 
 
 @pytest.mark.parametrize('argv, fragment', [

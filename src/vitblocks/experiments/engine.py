@@ -35,7 +35,8 @@ from .evaluate import EvalResult, evaluate
 from .interrupt import StopRequest, TrainingInterrupted
 from .optim import build_optimizer, schedule_lr
 from .resume import auto_resume_checkpoint, load_on_every_rank
-from .runlog import STOP_RECORD, MetricsLog, Progress, remove_stale_temporaries, write_json, write_stop_record
+from .runlog import (STOP_RECORD, MetricsLog, Progress, process_age_s, remove_stale_temporaries, write_json,
+                     write_stop_record)
 from .schedule import build_scheduler, restore_scheduler, scheduler_state
 from .setup import (check_same_dataset, create_model, dataset_manifest, enable_grad_checkpointing, load_initial_weights,
                     make_loader, model_name, open_train_split, resolve_device, set_cuda_matmul_precision, setup_data)
@@ -172,6 +173,7 @@ class Trainer:
         self.epoch, self.epoch_step, self.global_step = 0, 0, 0
         self.best_top1, self.best_epoch = -1.0, -1
         self.elapsed_before = 0.0
+        self._first_step = None  # the step fit() starts with (its log line says when it was done)
         self._last_loss = float('nan')
         self._window = (0.0, 0)  # (loss sum, steps) since the last metrics row
         self._saved_step = None  # the step last.pth holds (set by save and _restore)
@@ -366,12 +368,15 @@ class Trainer:
     def fit(self) -> RunResult:
         cfg = self.cfg
         self._t0 = time.perf_counter()
+        self._first_step = self.global_step + 1
         final = final_ema = None
         if self.dist.is_main:
             self.progress.message(f'run {self.run_dir}: {cfg.model} ({count_params(self.model) / 1e6:.2f} M params) on '
                                   f'{self.data.train.describe()}; {self.steps_per_epoch} steps/epoch x {cfg.epochs} '
                                   f'epochs, batch {self.global_batch}, {self.data.pipeline} pipeline, {self.device}'
-                                  + (f', from step {self.global_step}' if self.global_step else ''))
+                                  + (f', from step {self.global_step}' if self.global_step else '')
+                                  + (f', set up {process_age_s():.0f} s after the process started'
+                                     if process_age_s() is not None else ''))
             (self.run_dir / STOP_RECORD).unlink(missing_ok=True)  # this attempt replaces an earlier one's record
         try:
             with StopRequest() as self._stop:
@@ -501,6 +506,9 @@ class Trainer:
             self._loss_n = 0
             self._last_loss = avg
         self.progress.update(self.global_step, self.epoch_step, self._running_loss, lr)
+        if self.global_step == self._first_step and self.dist.is_main and process_age_s() is not None:
+            self.progress.message(f'first step of this process (step {self.global_step}) done '
+                                  f'{process_age_s():.0f} s after it started (compiling included)')
         if self._stop_requested():
             self.progress.end_epoch()
             self._sync_window()

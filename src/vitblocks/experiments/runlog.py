@@ -129,6 +129,19 @@ def read_metrics(path: Path) -> List[Dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux: from /proc), or None where that cannot be read. A run's log
+    says how long it took to start and to finish its first step (decoding data, building and compiling)."""
+    try:
+        with open('/proc/self/stat') as f:
+            start_ticks = int(f.read().rsplit(')', 1)[1].split()[19])  # field 22, starttime (fields from 3 on)
+        with open('/proc/uptime') as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf('SC_CLK_TCK'))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Progress:
     """A tqdm bar per epoch (images/s and ETA), or a log line every ``log_interval`` steps when
     stderr is not a terminal (``mode='auto'``), or nothing."""
