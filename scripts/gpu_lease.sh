@@ -3,8 +3,9 @@
 #   0. beside the rest, the suite's CUDA-only tests (CUDA_TESTS)                  -> runs/gpu-t1-cudatests.txt
 #   1. issue 10, NiNformer Table 1: 8 runs at once (100 epochs, `ninformer` recipe, fp32 with TF32
 #      matmuls, compiled with CUDA graphs), as many as fit in T1_TIME_LIMIT       -> runs/gpu-t1
-#      (rows committed finished under T1_SEED are reused, not retrained), and beside them the CIFAR-10
-#      NiNformer row started from PyTorch's default init, as the authors' script (block_cfg
+#      (rows committed finished under T1_SEED are reused, not retrained: no process starts for them), and
+#      in the same pool, paused before any Table 1 row if time runs short (reproduce --ablation), the
+#      CIFAR-10 NiNformer row started from PyTorch's default init, as the authors' script (block_cfg
 #      init=torch)                                                               -> runs/gpu-t1-torchinit
 #      and the CIFAR-10 ViT row with seeds 1 and 2 (VIT_SEEDS), its seed spread   -> runs/gpu-t1-seed{1,2}
 #      then each row that diverged or missed the paper by more than a point, in full fp32, and each
@@ -55,13 +56,6 @@ sweep_flags=${SWEEP_FLAGS:-"--device cuda"}
 profile_flags=${PROFILE_FLAGS:-"--device cuda"}
 profile_models=${PROFILE_MODELS:-"iffn_deit_small_patch16_224 iffn_deit_small_patch16_224:bf16 afbo_poolformer_s12"}
 
-beside() {  # NAME ROW SETTING: one CIFAR-10 row with one more --set SETTING, in the background beside Table 1,
-  # under its time limit                                                          -> runs/gpu-t1-NAME(.log)
-  ( $python -m vitblocks reproduce ninformer-table1 --datasets cifar10 --models "$2" --output "runs/gpu-t1-$1" \
-      --time-limit "$t1_limit" $t1_flags "$3" >> "runs/gpu-t1-$1.log" 2>&1 < /dev/null
-    echo "$(date -u +%T) $1 exit $?" >> runs/lease.log ) &
-}
-
 job() {  # the background job: each step in turn, whatever the one before it left
   t1_end=$(( $(date +%s) + t1_limit ))
   # the suite's CUDA-only tests (skipped on a CPU), beside everything else: seconds   -> runs/gpu-t1-cudatests.txt
@@ -72,12 +66,14 @@ job() {  # the background job: each step in turn, whatever the one before it lef
     : > runs/gpu-t1-rechecks.txt
   else
     # the init ablation: NiNformer's CIFAR-10 row, which plateaus near 75% (paper 81.59) with timm's init
-    beside torchinit NiNformer "model_kwargs={block_cfg: {init: torch}}"
+    ablations=(--ablation torchinit cifar10/NiNformer "model_kwargs={block_cfg: {init: torch}}")
     # the seed spread of the CIFAR-10 ViT row (seed 0: 64.07 at epoch 100, 61.23-64.95 over its last 20
     # epochs; paper 65.74): the same run with seeds 1 and 2
-    for seed in $vit_seeds; do beside "seed$seed" ViT "seed=$seed"; done
+    for seed in $vit_seeds; do ablations+=(--ablation "seed$seed" cifar10/ViT "seed=$seed"); done
+    # one pool: the Table 1 rows still owed and the ablations share the GPU, and under the time limit the
+    # ablations are paused first, then the baselines, NiNformer's own rows last
     $python -m vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --jobs 8 --output runs/gpu-t1 \
-      --time-limit "$t1_limit" $t1_flags >> runs/gpu-t1.log 2>&1
+      --time-limit "$t1_limit" $t1_flags "${ablations[@]}" >> runs/gpu-t1.log 2>&1
     rc=$?  # (a command substitution in the echo below would reset $?)
     echo "$(date -u +%T) table1 exit $rc" >> runs/lease.log
     $python scripts/table1_rechecks.py runs/gpu-t1 > runs/gpu-t1-rechecks.txt 2>> runs/lease.log
@@ -100,7 +96,7 @@ job() {  # the background job: each step in turn, whatever the one before it lef
         --time-limit "$left" $t1_flags "$2" >> "runs/gpu-t1-$1/$ds/$model.log" 2>&1 < /dev/null &
     done
   done < runs/gpu-t1-rechecks.txt
-  wait  # the rechecks and the init ablation: nothing trains while issue 15 measures speed
+  wait  # the rechecks: nothing trains while issue 15 measures speed
   echo "$(date -u +%T) rechecks: $(wc -l < runs/gpu-t1-rechecks.txt) row(s) rerun" >> runs/lease.log
   mkdir -p runs/profile15
   for spec in $profile_models; do  # model[:bf16]

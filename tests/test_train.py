@@ -160,7 +160,8 @@ def test_resume_mid_epoch_is_exact(data, tmp_path, pipeline):
     assert result.global_step == 24
     assert_same_weights(full / 'run' / 'last.pth', part / 'run' / 'last.pth')
     # evaluations after the resume match (the stop at step 7 adds its own train and val rows)
-    val = lambda run: [r for r in losses(run) if r[1] == 'val' and r[0] != '7']
+    def val(run):
+        return [r for r in losses(run) if r[1] == 'val' and r[0] != '7']
     assert val(part / 'run') == val(full / 'run')
 
 
@@ -417,7 +418,7 @@ def test_recipes_state_source_and_launch_and_load():
     assert set(list_recipes()) >= {'deit', 'repa', 'augreg', 'ninformer'}
     for name in list_recipes():
         lines = (ROOT / 'src/vitblocks/experiments/recipes' / f'{name}.yaml').read_text().splitlines()
-        head = '\n'.join(line for line in lines[:next(i for i, l in enumerate(lines) if not l.startswith('#'))])
+        head = '\n'.join(line for line in lines[:next(i for i, ln in enumerate(lines) if not ln.startswith('#'))])
         assert '# Source:' in head and '# Launch:' in head and ' train --model ' in head, name
         merge(load_recipe(name))
     nin = merge(load_recipe('ninformer'))
@@ -630,7 +631,7 @@ def test_reproduce_ninformer_table1_with_a_budget(tmp_path, capsys):
             'progress=none', 'tensorboard=false']
     code, out, err = run_cli(capsys, *argv)
     assert code == 0, err
-    line = next(l for l in out.splitlines() if l.startswith('NiNformer (ours)'))
+    line = next(ln for ln in out.splitlines() if ln.startswith('NiNformer (ours)'))
     cells = line.split()[2:]  # after the two words of the label: ours, best, paper, delta, epochs per dataset
     assert cells[1] == cells[0]  # one evaluation: the best is the last
     assert cells[2:4] == ['98.61', f'{float(cells[0]) - 98.61:+.2f}'] and cells[5:8] == ['-', '-', '53.78']
@@ -687,7 +688,7 @@ def test_reproduce_jobs_runs_each_model_in_its_own_process(tmp_path, capsys):
         assert f'finished mnist/{model}: exit 0' in out
         child = (tmp_path / 'out' / 'mnist' / f'{model}.log').read_text()  # the child trains only: no table
         assert 'top-1 ' in child and 'mnist ours %' not in child
-    rows = [l.split() for l in out.splitlines() if l.split()[:1] in (['ViT'], ['MlpMixer'])]
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (['ViT'], ['MlpMixer'])]
     assert [r[0] for r in rows] == ['ViT', 'MlpMixer'] and all(r[3] in ('97.12', '97.73') for r in rows)
     # the results alone are reused (checkpoints deleted, another thread count): nothing is retrained
     run_dir = tmp_path / 'out' / 'mnist' / 'ninformer_baseline_vit_patch4_28'
@@ -697,12 +698,80 @@ def test_reproduce_jobs_runs_each_model_in_its_own_process(tmp_path, capsys):
     code, out2, err = run_cli(capsys, *argv)
     assert code == 0, err
     assert (run_dir / 'results.json').stat().st_mtime_ns == stamp and not (run_dir / 'last.pth').exists()
-    assert [l for l in out2.splitlines() if l.startswith('ViT')] == [l for l in out.splitlines() if l.startswith('ViT')]
+    assert 'started' not in out2  # no process for a finished run
+    assert [ln for ln in out2.splitlines() if ln.startswith('ViT')] == \
+        [ln for ln in out.splitlines() if ln.startswith('ViT')]
     # ... but not when the model that name builds has changed since (the config holds the name only)
     res = json.loads((run_dir / 'results.json').read_text())
     (run_dir / 'results.json').write_text(json.dumps(dict(res, params=res['params'] - 16384)))  # another model
     code, _, err = run_cli(capsys, *argv)
     assert code == 2 and 'definition changed' in err and '2,111,498-parameter' in err
+
+
+def test_reproduce_ablations_share_the_pool_paused_first_and_print_their_own_tables(tmp_path, capsys,
+                                                                                     monkeypatch):
+    from _train_helpers import write_shards
+    root = tmp_path / 'data'
+    write_shards(root / 'mnist', 'train', n=128, per_shard=128, size=28, channels=1, num_classes=10)
+    write_shards(root / 'mnist', 'test', n=32, per_shard=32, size=28, channels=1, num_classes=10, seed=1)
+    pools = []
+    real = reproduce_cmd._run_children
+    monkeypatch.setattr(reproduce_cmd, '_run_children',
+                        lambda args, children: pools.append([(j.name, j.priority) for j in children]) or
+                        real(args, children))
+    argv = ['reproduce', 'ninformer-table1', '--datasets', 'mnist', '--models', 'ViT,NiNformer', '--max-steps', 1,
+            '--jobs', 4, '--threads', 1, '--data-root', root, '--output', tmp_path / 'out', '--set', 'progress=none',
+            'tensorboard=false', '--ablation', 'seed1', 'mnist/ViT', 'seed=1',
+            '--ablation', 'drop', 'mnist/NiNformer,mnist/ViT', 'mlp_drop=0.1', 'lr=0.002']
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    vit, nin = 'mnist/ninformer_baseline_vit_patch4_28', 'mnist/ninformer_vit_patch4_28'
+    # one pool: the table's rows (NiNformer's own paused last), then the ablations, paused first
+    assert pools == [[(vit, 0), (nin, 1), (f'seed1:{vit}', -1), (f'drop:{nin}', -1), (f'drop:{vit}', -1)]]
+    for folder, run, seed, drop, lr in (('out', vit, 0, 0.5, 0.001), ('out-seed1', vit, 1, 0.5, 0.001),
+                                        ('out-drop', nin, 0, 0.1, 0.002), ('out-drop', vit, 0, 0.1, 0.002)):
+        cfg = yaml.safe_load((tmp_path / folder / run / 'config.yaml').read_text())
+        assert (cfg['seed'], cfg['mlp_drop'], cfg['lr'], cfg['max_steps']) == (seed, drop, lr, 1)
+        assert (tmp_path / folder / run / 'results.json').is_file()
+    # the table, then one table per ablation, each also saved in its folder
+    titles = [line for line in out.splitlines() if line.startswith('NiNformer Table 1')]
+    assert titles == ['NiNformer Table 1: test top-1 % (ours: un-augmented test split)',
+                      'NiNformer Table 1, ablation seed1 (seed=1): test top-1 %',
+                      'NiNformer Table 1, ablation drop (mlp_drop=0.1 lr=0.002): test top-1 %']
+    drop_table = (tmp_path / 'out-drop' / 'table.txt').read_text()
+    assert 'dropout 0.1' in drop_table and 'runs in ' + str(tmp_path / 'out-drop') in drop_table
+    assert [line.split()[0] for line in drop_table.splitlines()[3:5]] == ['ViT', 'NiNformer']
+    # a re-run reuses everything: no pool at all; --no-train prints the same tables
+    code, out2, err = run_cli(capsys, *argv)
+    assert code == 0 and len(pools) == 1 and 'started' not in out2, err
+    code, out3, err = run_cli(capsys, *argv[:argv.index('--jobs')], *argv[argv.index('--data-root'):], '--no-train')
+    assert code == 0, err
+    assert [line for line in out3.splitlines() if line.startswith('ViT')] == \
+        [line for line in out.splitlines() if line.startswith('ViT')]
+
+
+@pytest.mark.parametrize('ablation, message', [
+    (['x', 'mnist/ViT'], 'expected NAME ROWS KEY=VALUE [KEY=VALUE ...]'),
+    (['a/b', 'mnist/ViT', 'seed=1'], 'a name of letters, digits'),
+    (['a', 'ViT', 'seed=1'], "'ViT' is not DATASET/ROW"),
+    (['a', 'svhn/ViT', 'seed=1'], "'svhn/ViT' is not DATASET/ROW"),
+    (['a', 'mnist/Foo', 'seed=1'], '--models: unknown Foo'),
+    (['a', 'mnist/ViT', 'sed=1'], 'Did you mean: seed'),
+    (['a', 'mnist/ViT', 'mlp_drop=0.5'], "mlp_drop=0.5 is what the table's mnist ninformer_baseline_vit_patch4_28 "
+                                         "run has already"),
+    (['a', 'mnist/ViT', 'threads=3'], 'would train the same run'),
+])
+def test_reproduce_bad_ablations_are_one_line_errors_before_anything_trains(tmp_path, capsys, ablation, message):
+    from _train_helpers import write_shards
+    write_shards(tmp_path / 'data' / 'mnist', 'train', n=16, per_shard=16, size=28, channels=1, num_classes=10)
+    code, out, err = run_cli(capsys, 'reproduce', 'ninformer-table1', '--datasets', 'mnist', '--data-root',
+                             tmp_path / 'data', '--output', tmp_path / 'out', '--ablation', *ablation)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and out == '', err
+    assert not (tmp_path / 'out').exists()
+    code, _, err = run_cli(capsys, 'reproduce', 'ninformer-table1', '--datasets', 'mnist', '--data-root',
+                           tmp_path / 'data', '--output', tmp_path / 'out', '--ablation', 'a', 'mnist/ViT', 'seed=1',
+                           '--ablation', 'a', 'mnist/ViT', 'seed=2')
+    assert code == 2 and '--ablation a: given twice' in err
 
 
 def test_reproduce_jobs_reports_a_failed_run(tmp_path, capsys):
@@ -723,7 +792,7 @@ def test_plot_curves_and_tradeoff(data, tmp_path, capsys):
     assert code == 0, err
     for png in (tmp_path / 'a' / 'curves.png', tmp_path / 'b' / 'curves.png', tmp_path / 'figs' / 'tradeoff.png'):
         assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    gmacs = [float(l.split(',')[1].split()[0]) for l in out.splitlines() if 'GMACs' in l]
+    gmacs = [float(ln.split(',')[1].split()[0]) for ln in out.splitlines() if 'GMACs' in ln]
     assert len(gmacs) == 2 and gmacs[1] > gmacs[0]  # the wider model costs more
     assert 'ms/batch' in out
     code, _, err = run_cli(capsys, 'plot', tmp_path)

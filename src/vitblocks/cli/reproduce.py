@@ -1,5 +1,6 @@
 """`vitblocks reproduce ninformer-table1 | cifar10-blocks`: train a table's models, print ours (vs the paper)."""
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -11,13 +12,14 @@ from ..experiments.plots import TradeoffPoint, plot_curves, plot_tradeoff
 from ..experiments.config import load_recipe
 from ..experiments.jobs import Job, run_jobs
 from ..experiments.runlog import write_json, write_text_atomic
-from ..experiments.reproduce import (NINFORMER_DATASETS, ninformer_data, ninformer_jobs, ninformer_log,
-                                      ninformer_own_models, ninformer_table1, table_rows)
+from ..experiments.reproduce import (NINFORMER_DATASETS, ninformer_data, ninformer_finished, ninformer_jobs,
+                                      ninformer_log, ninformer_own_models, ninformer_run_config, ninformer_table1,
+                                      result_changing_keys, table_rows)
 from .common import CliError, positive_float, positive_int, render_table
 
 NAME = 'reproduce'
 TARGETS = ('ninformer-table1', 'cifar10-blocks')
-_NINFORMER_ONLY = ('datasets', 'models', 'dropout', 'no_train')
+_NINFORMER_ONLY = ('datasets', 'models', 'dropout', 'no_train', 'ablation')
 _BLOCKS_ONLY = ('configs', 'seeds', 'no_latency', 'latency_batch', 'repeats')
 
 EPILOG = """\
@@ -29,6 +31,8 @@ examples:
   vitblocks reproduce cifar10-blocks --device cuda --jobs 27 --set compile=true compile_mode=reduce-overhead
   vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --time-limit 1500   # a 30-minute GPU lease
   vitblocks reproduce ninformer-table1 --output runs/gpu-t1 --no-train --set matmul_precision=high   # as they are
+  vitblocks reproduce ninformer-table1 --jobs 8 --time-limit 1500 --ablation torchinit cifar10/NiNformer \
+      'model_kwargs={block_cfg: {init: torch}}' --ablation seed1 cifar10/ViT seed=1   # beside, paused first
   vitblocks reproduce cifar10-blocks --configs vanilla,repa --seeds 0 --max-steps 20 --threads 2
 
 ninformer-table1: NiNformer's Table 1 (ViT, MlpMixer, LocalViT, NiNformer; --models takes row
@@ -45,6 +49,10 @@ resumed from last.pth, so re-running continues where it stopped. --jobs N trains
 in its own process logging next to its run folder (small models leave a GPU mostly idle).
 --time-limit S finishes as many runs as fit in S seconds: runs projected to end later are paused
 (checkpoint kept), the one furthest from its end first, and resume when time frees or on a re-run.
+--ablation NAME ROWS KEY=VALUE... trains Table 1 rows again with more config (ROWS: comma-separated
+DATASET/ROW, e.g. cifar10/NiNformer) into <output>-NAME, beside the table's runs and under the same
+--time-limit, where they are paused before any of the table's; each prints its own table after the
+main one.
 """
 
 
@@ -89,6 +97,10 @@ def add_parser(subparsers) -> None:
                         'finish sooner on the device they share; it keeps its checkpoint and resumes if a '
                         'finished run frees time, or when the command is re-run. For machines whose disk does '
                         'not outlive them (a GPU lease, a preemptible node)')
+    p.add_argument('--ablation', nargs='+', action='append', metavar='NAME ROWS KEY=VALUE',
+                   help='ninformer-table1, repeatable: also train ROWS (comma-separated DATASET/ROW, e.g. '
+                        'cifar10/NiNformer) with these config overrides on top of --set, into <output>-NAME; under '
+                        '--time-limit they share the pool and are paused before every Table 1 run')
     p.add_argument('--set', nargs='+', default=[], metavar='KEY=VALUE', dest='overrides',
                    help='extra config overrides for every run, e.g. --set log_interval=10 progress=log')
     p.set_defaults(run=run)
@@ -116,13 +128,15 @@ def run(args) -> int:
         return 130
 
 
-def _budget_flags(args):
+def _budget_flags(args, settings=()):
+    """A child's flags for the command's budget and --set (then ``settings``, an ablation's: later wins)."""
     argv = []
     for flag in ('epochs', 'max_steps', 'train_subset', 'test_subset', 'data_root'):
         value = getattr(args, flag)
         if value is not None:
             argv += [f'--{flag.replace("_", "-")}', str(value)]
-    return argv + (['--set', *args.overrides] if args.overrides else [])
+    overrides = list(args.overrides) + list(settings)
+    return argv + (['--set', *overrides] if overrides else [])
 
 
 def _budget_line(args, recipe_epochs: int):
@@ -133,19 +147,20 @@ def _budget_line(args, recipe_epochs: int):
     return ', '.join(budget)
 
 
-def _write_table(args, title: str, table, budget: str, t0: float, notes_after=()) -> None:
+def _write_table(args, title: str, table, budget: str, t0: float, notes_after=(), output=None) -> None:
     """Print the report of a target and save it as --output/table.txt (table.md with --md): the title, the
     table (``table``: headers, rows, alignment, notes), the budget line (``budget``: what the target adds to
     ``_budget_line``, then the wall time since ``t0``), the table's notes, then ``notes_after``."""
     headers, rows, align, notes = table
     lines = [f'### {title}' if args.md else title, '']
     lines += render_table(headers, rows, align, fmt='md' if args.md else 'text')
-    lines += ['', f'budget: {budget}; wall time {time.perf_counter() - t0:.0f} s; runs in {args.output}']
+    output = Path(output or args.output)
+    lines += ['', f'budget: {budget}; wall time {time.perf_counter() - t0:.0f} s; runs in {output}']
     lines += [f'note: {n}' for n in notes] + list(notes_after)
     text = '\n'.join(lines)
     print(text)
-    Path(args.output).mkdir(parents=True, exist_ok=True)
-    write_text_atomic(Path(args.output) / ('table.md' if args.md else 'table.txt'), text + '\n')
+    output.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(output / ('table.md' if args.md else 'table.txt'), text + '\n')
 
 
 # --- ninformer-table1 ---------------------------------------------------------------------------------
@@ -164,33 +179,112 @@ def _ninformer(args) -> int:
     models = args.models.split(',') if args.models else None
     jobs = ninformer_jobs(datasets, models)  # every --models name must match a row, before anything trains
     own = ninformer_own_models(datasets)  # the paper's own model: the row the table is for, paused last
-    for ds in datasets:  # and every dataset must be there
-        ninformer_data(ds, args.data_root)
-    if args.jobs > 1 or args.time_limit:  # runs in child processes
-        children = [Job(f'{ds}/{model}', _ninformer_child(args, ds, model, dropout),
-                        ninformer_log(args.output, ds, model), Path(args.output) / ds / model,
-                        priority=int(model in own)) for ds, model in jobs]
-        if _report_unfinished(_run_children(args, children)):
+    ablations = _ablations(args, dropout)
+    for ds in dict.fromkeys(datasets + [ds for _, pairs, _ in ablations for ds, _ in pairs]):
+        ninformer_data(ds, args.data_root)  # and every dataset must be there
+    if args.jobs > 1 or args.time_limit:  # runs in child processes; none for a run finished already
+        groups = [(args.output, jobs, [], lambda model: int(model in own), '')]
+        groups += [(_ablation_output(args, name), pairs, settings, lambda model: -1, f'{name}:')
+                   for name, pairs, settings in ablations]
+        children = [Job(f'{prefix}{ds}/{model}', _ninformer_child(args, ds, model, dropout, output, settings),
+                        ninformer_log(output, ds, model), Path(output) / ds / model, priority=priority(model))
+                    for output, pairs, settings, priority, prefix in groups for ds, model in pairs
+                    if not ninformer_finished(ds, model, output, dropout=dropout, **_run_config(args, settings))]
+        if children and _report_unfinished(_run_children(args, children)):
             return 1
-    runs = ninformer_table1(datasets, epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,
-                            test_subset=args.test_subset, device=args.device, data_root=args.data_root,
-                            output=args.output, dropout=dropout, threads=args.threads, models=models,
-                            extra=parse_overrides(args.overrides), train=not args.no_train)
+    runs = _table1_runs(args, datasets, models, dropout, args.output, [])
+    ablation_runs = [(name, settings, [r for ds, ms in _by_dataset(pairs) for r in
+                                       _table1_runs(args, [ds], ms, dropout, _ablation_output(args, name), settings)])
+                     for name, pairs, settings in ablations]
     if args.train_only:
-        for r in runs:
-            print(f'{r.dataset} {r.label}: ' + (f'top-1 {r.top1:.2f} ({r.run_dir})' if r.top1 is not None else r.note))
+        for name, r in [('', r) for r in runs] + [(f'{n}: ', r) for n, _, rs in ablation_runs for r in rs]:
+            print(f'{name}{r.dataset} {r.label}: ' + (f'top-1 {r.top1:.2f} ({r.run_dir})' if r.top1 is not None
+                                                      else r.note))
         return 0
     missing = [] if 'cifar100' in datasets else [
         'note: CIFAR-100 (paper: 53.78 for NiNformer) is not run: it is not available here']
     _write_table(args, 'NiNformer Table 1: test top-1 % (ours: un-augmented test split)', table_rows(runs),
-                 f'{_budget_line(args, 100)}; dropout {dropout}', t0, missing)
+                 _ninformer_budget(args, dropout, []), t0, missing)
+    for name, settings, rs in ablation_runs:
+        print()
+        _write_table(args, f'NiNformer Table 1, ablation {name} ({" ".join(settings)}): test top-1 %',
+                     table_rows(rs), _ninformer_budget(args, dropout, settings), t0,
+                     output=_ablation_output(args, name))
     return 0
 
 
-def _ninformer_child(args, dataset: str, model: str, dropout: float):
+def _ninformer_budget(args, dropout: float, settings) -> str:
+    """The budget line: epochs and the like, and the dropout the runs have (``mlp_drop`` in --set or ``settings``
+    over --dropout)."""
+    return f'{_budget_line(args, 100)}; dropout {parse_overrides(args.overrides + settings).get("mlp_drop", dropout)}'
+
+
+def _table1_runs(args, datasets, models, dropout, output, settings):
+    return ninformer_table1(datasets, epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,
+                            test_subset=args.test_subset, device=args.device, data_root=args.data_root, output=output,
+                            dropout=dropout, threads=args.threads, models=models,
+                            extra=parse_overrides(args.overrides + settings), train=not args.no_train)
+
+
+def _run_config(args, settings):
+    """``ninformer_run_config``'s arguments (but dropout) for a run with these settings after --set."""
+    return dict(data_root=args.data_root, extra=parse_overrides(args.overrides + settings), epochs=args.epochs,
+                max_steps=args.max_steps, train_subset=args.train_subset, test_subset=args.test_subset,
+                device=args.device)
+
+
+def _ablation_output(args, name: str) -> str:
+    return f'{str(args.output).rstrip("/")}-{name}'
+
+
+def _by_dataset(pairs):
+    """[(dataset, [model, ...])] in first-seen order."""
+    out = {}
+    for ds, model in pairs:
+        out.setdefault(ds, []).append(model)
+    return list(out.items())
+
+
+def _ablations(args, dropout: float):
+    """``--ablation`` as [(name, [(dataset, model)], [KEY=VALUE])], each checked: a name a folder can take, once;
+    rows of Table 1; overrides that parse and change the run."""
+    out, names = [], set()
+    for spec in args.ablation or ():
+        if len(spec) < 3:
+            raise CliError(f'--ablation {" ".join(spec)}: expected NAME ROWS KEY=VALUE [KEY=VALUE ...], e.g. '
+                           f'--ablation torchinit cifar10/NiNformer \'model_kwargs={{block_cfg: {{init: torch}}}}\'')
+        name, rows, settings = spec[0], spec[1], spec[2:]
+        if not re.fullmatch(r'[A-Za-z0-9][A-Za-z0-9_.-]*', name) or name in names:
+            raise CliError(f'--ablation {name}: ' + ('given twice' if name in names else
+                                                     'a name of letters, digits, ".", "_" and "-" (its folder is '
+                                                     '<output>-NAME)'))
+        names.add(name)
+        pairs = []
+        for item in rows.split(','):
+            ds, sep, row = item.strip().partition('/')
+            if not sep or ds not in NINFORMER_DATASETS or not row:
+                raise CliError(f'--ablation {name}: {item!r} is not DATASET/ROW (DATASET one of '
+                               f'{", ".join(NINFORMER_DATASETS)}, ROW a Table 1 row, e.g. cifar10/NiNformer)')
+            pairs += ninformer_jobs([ds], [row])
+        try:
+            parse_overrides(settings)
+        except ConfigError as e:
+            raise CliError(f'--ablation {name}: {e}') from None
+        ds, model = pairs[0]
+        configs = [ninformer_run_config(ds, model, dropout=dropout, **_run_config(args, extra))
+                   for extra in ([], settings)]
+        if configs[0] is not None and not result_changing_keys(*configs):
+            raise CliError(f'--ablation {name}: {" ".join(settings)} is what the table\'s {ds} {model} run has '
+                           f'already, or changes nothing its result depends on; the ablation would train the same '
+                           f'run')
+        out.append((name, pairs, settings))
+    return out
+
+
+def _ninformer_child(args, dataset: str, model: str, dropout: float, output=None, settings=()):
     return [sys.executable, '-m', 'vitblocks', 'reproduce', args.target, '--datasets', dataset, '--models', model,
-            '--dropout', str(dropout), '--train-only', '--device', args.device, '--output', args.output] \
-        + _budget_flags(args)
+            '--dropout', str(dropout), '--train-only', '--device', args.device, '--output', output or args.output] \
+        + _budget_flags(args, settings)
 
 
 # --- cifar10-blocks -----------------------------------------------------------------------------------

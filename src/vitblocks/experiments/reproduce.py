@@ -107,6 +107,21 @@ def _refuse_other_config(run_dir: Path, changed: Sequence[str]) -> None:
                         f'remove it or use another --output')
 
 
+def result_changing_keys(a: TrainConfig, b: TrainConfig) -> List[str]:
+    """The config keys in which ``a`` and ``b`` differ, but those that cannot change a run's result (threads,
+    device, logging: a finished run is reused across them), sorted."""
+    a, b = a.to_dict(), b.to_dict()
+    return sorted(k for k in a if a[k] != b.get(k) and k not in _SAME_RESULT)
+
+
+def is_finished(cfg: TrainConfig, run_dir: Path) -> bool:
+    """Whether ``run_or_reuse(cfg, run_dir)`` would reuse a finished run rather than train (a harness starts no
+    process for it)."""
+    if not (run_dir / 'config.yaml').exists():
+        return False
+    return _reusable_results(cfg, run_dir, _changed_keys(cfg, run_dir)) is not None
+
+
 def run_or_reuse(cfg: TrainConfig, run_dir: Path) -> Dict:
     """Reuse a finished run of this config (the results alone suffice: checkpoints may be gone), continue
     one that stopped or ran on a smaller budget (only ``RESUME_CHANGEABLE`` keys may differ), else start it."""
@@ -224,6 +239,24 @@ def ninformer_table1(datasets: Sequence[str] = ('mnist', 'cifar10'), epochs: Opt
             if test_subset and not res.get('unfinished'):
                 run.note = f'first {res["final"]["num_images"]} test images only'
     return out
+
+
+def ninformer_run_config(ds: str, model: str, data_root: Optional[str] = None, dropout: float = 0.5,
+                         extra: Optional[Dict] = None, **budget) -> Optional[TrainConfig]:
+    """The config ``ninformer_table1`` trains ``model`` on ``ds`` with (``budget``: its epochs, max_steps,
+    train_subset, test_subset, device, threads); None where the dataset is not available (CIFAR-100)."""
+    path = ninformer_data(ds, data_root)
+    if path is None:
+        return None
+    (row,) = [r for r in _table_rows(ds, None) if r.model == model]
+    return ninformer_config(ds, row, path, dropout=dropout, extra=extra, **budget)
+
+
+def ninformer_finished(ds: str, model: str, output: str, **config) -> bool:
+    """Whether ``ninformer_table1`` would reuse the finished run of ``model`` on ``ds`` under ``output`` instead of
+    training it (``config``: ``ninformer_run_config``'s arguments)."""
+    cfg = ninformer_run_config(ds, model, **config)
+    return cfg is not None and is_finished(cfg, Path(output) / ds / model)
 
 
 def ninformer_data(ds: str, data_root: Optional[str]) -> Optional[Path]:
