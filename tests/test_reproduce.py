@@ -229,6 +229,14 @@ def test_benchmark_every_configuration_through_the_harness(cifar_root, tmp_path,
     assert summary['repa']['folded_top1'] == [fold['folded_top1']]
     assert any(l.startswith('note: repa: fp32 top-1 before folding') for l in lines)
     assert (out_dir / 'tradeoff.png').is_file() and (out_dir / 'table.txt').read_text().strip() in out
+    # again with --jobs: every run is finished, so no process starts, and the runs are the same
+    code, out2, err = run_cli(capsys, 'reproduce', 'cifar10-blocks', '--seeds', '0', '--configs', 'vanilla,repa',
+                              '--max-steps', 1, '--threads', 1, '--jobs', 2, '--data-root', cifar_root, '--output',
+                              out_dir, '--no-latency', '--set', 'progress=none', 'tensorboard=false', 'batch_size=16',
+                              TINY)
+    assert code == 0 and 'started' not in out2, out2 + err
+    again = {ln.split()[0]: ln.split()[:2] for ln in out2.splitlines() if ln.split()[:1] in (['vanilla'], ['repa'])}
+    assert again == {c: rows[c][:2] for c in ('vanilla', 'repa')}
 
 
 def test_fold_check_reuses_a_whole_record_and_rechecks_a_torn_one(tmp_path):

@@ -13,8 +13,8 @@ from ..experiments.config import load_recipe
 from ..experiments.jobs import Job, run_jobs
 from ..experiments.runlog import write_json, write_text_atomic
 from ..experiments.reproduce import (NINFORMER_DATASETS, ninformer_data, ninformer_finished, ninformer_jobs,
-                                      ninformer_log, ninformer_own_models, ninformer_run_config, ninformer_table1,
-                                      result_changing_keys, table_rows)
+                                      is_finished, ninformer_log, ninformer_own_models, ninformer_run_config,
+                                      ninformer_table1, result_changing_keys, table_rows)
 from .common import CliError, positive_float, positive_int, render_table
 
 NAME = 'reproduce'
@@ -297,12 +297,15 @@ def _blocks(args) -> int:
         raise CliError(f'--seeds {args.seeds}: expected comma-separated integers, e.g. 0,1,2') from None
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
         raise CliError(f'--seeds {args.seeds}: expected distinct integers >= 0, e.g. 0,1,2')
-    bench.bench_data(args.data_root)  # fails before anything trains
+    data = bench.bench_data(args.data_root)  # fails before anything trains
     t0 = time.perf_counter()
-    if args.jobs > 1 or args.time_limit:  # runs in child processes
+    if args.jobs > 1 or args.time_limit:  # runs in child processes; none for a run finished already
+        budget = dict(epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,
+                      test_subset=args.test_subset, device=args.device, extra=parse_overrides(args.overrides))
         children = [Job(f'{c}/seed{s}', _blocks_child(args, c, s), Path(args.output) / c / f'seed{s}.log',
-                        Path(args.output) / c / f'seed{s}') for c in configs for s in seeds]
-        if _report_unfinished(_run_children(args, children)):
+                        Path(args.output) / c / f'seed{s}') for c in configs for s in seeds
+                    if not is_finished(bench.bench_config(c, s, data, **budget), Path(args.output) / c / f'seed{s}')]
+        if children and _report_unfinished(_run_children(args, children)):
             return 1
     runs = bench.run_benchmark(configs, seeds, args.data_root, args.output, epochs=args.epochs,
                                max_steps=args.max_steps, train_subset=args.train_subset, test_subset=args.test_subset,
