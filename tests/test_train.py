@@ -509,6 +509,30 @@ def test_matmul_precision_sets_tf32_for_matmuls_and_convolutions():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+@pytest.mark.parametrize('sched', ['step', 'plateau'])
+def test_a_run_resumed_from_best_pth_goes_on_as_from_the_last_pth_of_that_epoch(data, tmp_path, sched):
+    # best.pth is written by the evaluation, before the scheduler's step for the epoch: it records that step as owed
+    kw = dict(sched=sched, decay_epochs=1, decay_rate=0.5, patience_epochs=0, warmup_epochs=0, epochs=3,
+              model_ema=False)
+    first = train(tiny_cfg(data, tmp_path / 'a', max_steps=12, **kw))
+    assert first.epochs_done == 1.0
+    shutil.copytree(tmp_path / 'a', tmp_path / 'b')
+    from_last = train(tiny_cfg(data, tmp_path / 'a', **kw), resume=tmp_path / 'a' / 'run' / 'last.pth')
+    from_best = train(tiny_cfg(data, tmp_path / 'b', **kw), resume=tmp_path / 'b' / 'run' / 'best.pth')
+    assert from_last.global_step == from_best.global_step == 36
+    lrs = [[r['lr'] for r in csv.DictReader(open(run / 'run' / 'metrics.csv')) if r['split'] == 'train']
+           for run in (tmp_path / 'a', tmp_path / 'b')]
+    assert lrs[0] == lrs[1]
+    if sched == 'step':
+        assert len(set(lrs[0])) >= 3  # the first epoch's decay was taken from best.pth too
+    wa, wb = weights(tmp_path / 'a' / 'run' / 'last.pth'), weights(tmp_path / 'b' / 'run' / 'last.pth')
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the schedulers counted the same epochs (plateau: the same best top-1 and bad epochs)
+    a, b = (torch.load(run / 'run' / 'last.pth', weights_only=False)['scheduler'] for run in (tmp_path / 'a',
+                                                                                             tmp_path / 'b'))
+    assert a == b
+
+
 # --- CLI ---------------------------------------------------------------------------------------------------
 
 def run_cli(capsys, *argv):

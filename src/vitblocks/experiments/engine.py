@@ -382,6 +382,9 @@ class Trainer:
             with StopRequest() as self._stop:
                 if self._evaluation_owed:  # saved by a stop during an evaluation: that evaluation comes first
                     final, final_ema = self._close_epoch(True, self._scheduler_step_owed)
+                elif self._scheduler_step_owed:  # best.pth: saved by the evaluation that made it, the best top-1
+                    self.scheduler.step(self.epoch, self.best_top1)
+                    self._scheduler_step_owed = False
                 while not self._budget_spent():
                     final, final_ema = self._run_epoch()
                 if final is None:  # resumed at the very end: evaluated again for results.json
@@ -464,6 +467,7 @@ class Trainer:
         if epoch_done and self.scheduler is not None:
             # per-update schedules ignore this; plateau counts a completed epoch's top-1 (None: not evaluated)
             self.scheduler.step(self.epoch, evaluated[0].top1 if evaluated[0] is not None else None)
+        self._scheduler_step_owed = False
         self.save()
         # a signal that came during the save (or the evaluation's last batches) stops here, not a step later (the
         # run, if not done)
@@ -476,9 +480,10 @@ class Trainer:
         the evaluation (RNG states included), which it records as owed, with the scheduler's step of a completed
         epoch, and TrainingInterrupted is raised. Nothing of the evaluation is logged or saved before it ends."""
         rng = rng_state()
-        # best.pth, saved at the evaluation's end, is past it (as an uninterrupted run's); last.pth on disk still
-        # owes it until the save after it
-        self._evaluation_owed, self._scheduler_step_owed = False, False
+        # best.pth, saved at the evaluation's end, is past it (as an uninterrupted run's) but before the scheduler's
+        # step for a completed epoch, which it records as owed; last.pth on disk still owes the evaluation until the
+        # save after it
+        self._evaluation_owed, self._scheduler_step_owed = False, epoch_done and self.scheduler is not None
         evaluated = self._evaluate(stop=self._stop_requested)
         if evaluated is not None:
             return evaluated
