@@ -801,10 +801,15 @@ def test_reproduce_bad_ablations_are_one_line_errors_before_anything_trains(tmp_
 def test_reproduce_jobs_reports_a_failed_run(tmp_path, capsys):
     from _train_helpers import write_shards
     write_shards(tmp_path / 'mnist', 'train', n=16, per_shard=16, size=28, channels=1, num_classes=10)
-    code, out, err = run_cli(capsys, 'reproduce', 'ninformer-table1', '--datasets', 'mnist', '--models', 'ViT',
-                             '--jobs', 2, '--data-root', tmp_path, '--output', tmp_path / 'out',
-                             '--set', 'progress=sometimes')  # the child rejects the config
+    argv = ['reproduce', 'ninformer-table1', '--datasets', 'mnist', '--models', 'ViT', '--jobs', 2, '--data-root',
+            tmp_path, '--output', tmp_path / 'out']
+    code, out, err = run_cli(capsys, *argv)  # no test split: the child finds out when it loads the data
     assert code == 1 and 'run failed, see' in err and 'ninformer_baseline_vit_patch4_28.log' in err
+    log = (tmp_path / 'out' / 'mnist' / 'ninformer_baseline_vit_patch4_28.log').read_text()
+    assert "no shard of split 'test'" in log
+    # a config no run can take is the parent's one-line error: no child starts
+    code, out, err = run_cli(capsys, *argv, '--set', 'progress=sometimes')
+    assert code == 2 and 'progress' in err and len(err.strip().splitlines()) == 1 and 'started' not in out, err
 
 
 def test_plot_curves_and_tradeoff(data, tmp_path, capsys):
