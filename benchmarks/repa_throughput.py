@@ -55,7 +55,8 @@ def parse_args(argv=None):
     p.add_argument('--threads', type=int, default=2, help='torch intra-op threads (default 2)')
     p.add_argument('--warmup', type=int, default=2, help='untimed batches per model (default 2)')
     p.add_argument('--repeats', type=int, default=10, help='timed batches per model, median reported (default 10)')
-    p.add_argument('--runs', type=int, default=1, help='interleaved runs; the target line gives min/median/max (default 1)')
+    p.add_argument('--runs', type=int, default=1,
+                   help='interleaved runs; the target line gives min/median/max (default 1)')
     add_malloc_option(p)
     return p.parse_args(argv)
 

@@ -160,7 +160,8 @@ def run_case(argv: str, places: dict):
 
 
 def table(rows) -> str:
-    esc = lambda s: s.replace('|', '\\|')
+    def esc(s):
+        return s.replace('|', '\\|')
     lines = ['| bad input | command | exit | what it prints (stderr) |', '| --- | --- | ---: | --- |']
     lines += [f'| {what} | `vitblocks {esc(argv.replace(TINY, "MODEL_KWARGS"))}` | {code} | {esc(err)} |'
               for what, argv, code, err in rows]

@@ -345,8 +345,8 @@ def test_prefix_tokens_bypass_the_spatial_op():
     x = torch.randn(1, 22, D)
     y = layer(x)
     # prefix outputs are the channel-mapping-only result: no depthwise conv touched them
-    l, r = layer.left_map(x[:, :2]), layer.right_map(x[:, :2])
-    torch.testing.assert_close(y[:, :2], layer.fc2(layer.act(l) * r), rtol=1e-5, atol=1e-4)
+    left, right = layer.left_map(x[:, :2]), layer.right_map(x[:, :2])
+    torch.testing.assert_close(y[:, :2], layer.fc2(layer.act(left) * right), rtol=1e-5, atol=1e-4)
     # a prefix token never reaches a patch token, and a patch token only reaches its 3x3 neighbours
     x2 = x.clone()
     x2[:, 0] += 1
@@ -621,9 +621,11 @@ def test_ours_field_needs_the_published_number(tmp_path):
 
 
 def test_registered_models_cover_table2():
-    built = {r.model for t in ('2', '16') for r in AFBO_PAPER.table(t).rows if r.buildable and r.model.startswith('afbo_')}
+    built = {r.model for t in ('2', '16') for r in AFBO_PAPER.table(t).rows
+             if r.buildable and r.model.startswith('afbo_')}
     assert built == set(vitblocks.list_models(method='afbo'))
-    assert len(built) == 21  # 14 timm backbones + vitblocks' LVT, CycleMLP-B1, HireMLP-Tiny, Pyramid VisionLLaMA-S/B/L, EdgeViT-XXS
+    # 14 timm backbones + vitblocks' LVT, CycleMLP-B1, HireMLP-Tiny, Pyramid VisionLLaMA-S/B/L, EdgeViT-XXS
+    assert len(built) == 21
 
 
 

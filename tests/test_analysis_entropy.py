@@ -1,5 +1,4 @@
 """Feature entropy (AFBO Table 18): exact values on known distributions, per block on a model."""
-import math
 
 import pytest
 import timm

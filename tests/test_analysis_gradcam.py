@@ -10,7 +10,8 @@ from vitblocks.analysis import gradcam_maps, gradcam_target  # noqa: E402
 @pytest.mark.parametrize('name, kwargs, size', [
     ('deit_tiny_patch16_224', dict(img_size=32, patch_size=8, depth=1, embed_dim=16, num_heads=2), 32),  # class token
     ('vit_tiny_patch16_224', dict(img_size=32, patch_size=8, depth=1, embed_dim=16, num_heads=2, reg_tokens=2), 32),
-    ('swin_tiny_patch4_window7_224', dict(img_size=32, window_size=2, embed_dim=8, depths=(1, 1), num_heads=(1, 1)), 32),
+    ('swin_tiny_patch4_window7_224',
+     dict(img_size=32, window_size=2, embed_dim=8, depths=(1, 1), num_heads=(1, 1)), 32),
     ('poolformer', dict(depths=(1, 1, 1, 1), dims=(8, 8, 8, 8)), 64),  # channels-first
     ('mixer', dict(img_size=32, patch_size=8, num_blocks=1, embed_dim=16), 32),
 ])

@@ -1,5 +1,4 @@
 """Lipschitz bounds of an FFN (IFFN Theorem 4.3): exact cases, ordering lower <= SDP <= naive."""
-import math
 
 import numpy as np
 import pytest
@@ -35,10 +34,12 @@ def test_sdp_is_exact_for_a_single_linear_layer():
     w = np.random.default_rng(0).normal(size=(6, 5))
     exact = np.linalg.norm(w, 2)
     # W after a ReLU (slopes [0, 1]): L = ||W|| exactly, attained by the SDP at T = ||W||^2 I
-    assert sdp_lipschitz_bound(np.eye(5), w, np.zeros(5), np.ones(5), solver='CLARABEL') == pytest.approx(exact, rel=1e-6)
+    bound = sdp_lipschitz_bound(np.eye(5), w, np.zeros(5), np.ones(5), solver='CLARABEL')
+    assert bound == pytest.approx(exact, rel=1e-6)
     # x -> W x as W1 phi(W0 x) with phi = identity (slopes [1, 1]): the SDP's infimum is ||W|| but is
     # approached only as T -> infinity, so the solver gets within its tolerance
-    assert sdp_lipschitz_bound(w, np.eye(6), np.ones(6), np.ones(6), solver='CLARABEL') == pytest.approx(exact, rel=1e-3)
+    bound = sdp_lipschitz_bound(w, np.eye(6), np.ones(6), np.ones(6), solver='CLARABEL')
+    assert bound == pytest.approx(exact, rel=1e-3)
 
 
 def test_sdp_rejects_shapes_that_do_not_chain():
@@ -49,7 +50,8 @@ def test_sdp_rejects_shapes_that_do_not_chain():
 def test_power_iteration_finds_the_exact_jacobian_norm():
     torch.manual_seed(0)
     w = torch.randn(7, 5, dtype=torch.float64)
-    f = lambda x: torch.tanh(x) @ w.t()  # (B, 5) -> (B, 7), row-wise
+    def f(x):
+        return torch.tanh(x) @ w.t()  # (B, 5) -> (B, 7), row-wise
     x = torch.randn(3, 5, dtype=torch.float64)
     got = jacobian_norm_lower_bound(f, x, iters=200)
     exact = torch.stack([torch.linalg.matrix_norm(w * (1 - torch.tanh(xi) ** 2), ord=2) for xi in x])

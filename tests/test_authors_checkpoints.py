@@ -130,7 +130,8 @@ def iffn_deit_forward(sd, img, kernel_size):
     side = IMG // PATCH
     for i in range(DEPTH):
         p = f'blocks.{i}.'
-        ln = lambda t, name, eps: F.layer_norm(t, t.shape[-1:], sd[p + name + '.weight'], sd[p + name + '.bias'], eps)
+        def ln(t, name, eps):
+            return F.layer_norm(t, t.shape[-1:], sd[p + name + '.weight'], sd[p + name + '.bias'], eps)
         x = x + _attend(sd, p + 'attn.', ln(x, 'norm1', 1e-6))
         h = F.linear(ln(x, 'norm2', 1e-6), sd[p + 'mlp.conv1.weight'], sd[p + 'mlp.conv1.bias'])
         acts = [sd[f'{p}mlp.act{j}.move2.scale'] * F.gelu(h * sd[f'{p}mlp.act{j}.move1.scale']

@@ -68,14 +68,14 @@ def test_list_shows_every_registered_model(capsys):
     names = vitblocks.list_models()
     assert names and all(n in out for n in names)
     assert out.strip().endswith(f'{len(names)} models')
-    line = next(l for l in out.splitlines() if l.startswith('iffn_deit_tiny_patch16_224 '))
+    line = next(ln for ln in out.splitlines() if ln.startswith('iffn_deit_tiny_patch16_224 '))
     assert line.split()[1:3] == ['iffn', 'deit_tiny_patch16_224']
 
 
 def test_list_params_are_the_real_counts(capsys):
     code, out, _ = run(capsys, 'list', '--method', 'iffn', '--filter', 'deit_tiny', '--params')
     assert code == 0
-    line = next(l for l in out.splitlines() if l.startswith('iffn_deit_tiny_patch16_224 '))
+    line = next(ln for ln in out.splitlines() if ln.startswith('iffn_deit_tiny_patch16_224 '))
     assert line.split()[3] == '5.00'  # 4,998,184 parameters (IFFN Table 1: 5.0 M)
 
 
@@ -171,7 +171,8 @@ def test_compare_lists_unbuildable_rows_without_counting_them(capsys, tmp_path):
     paper = tmp_path / 'unbuilt.yaml'  # the shipped tables' unbuilt rows get built over time
     paper.write_text('key: unbuilt\ntitle: t\nauthors: a\nvenue: v\nmethod: afbo\ntables:\n'
                      '  - {number: "1", caption: c, rows: [{label: X-Net, model: null, params_m: 1.0,'
-                     ' note: X-Net is not in timm}, {label: Y-Net, model: null, params_m: 2.0, note: X-Net is not in timm}]}\n')
+                     ' note: X-Net is not in timm}, {label: Y-Net, model: null, params_m: 2.0,'
+                     ' note: X-Net is not in timm}]}\n')
     code, out, _ = run(capsys, 'compare', '--paper', str(paper))
     assert code == 0
     assert 'Not counted: 2 rows that timm cannot build (X-Net is not in timm)' in out
@@ -212,7 +213,7 @@ def test_compare_repa_counts_before_and_after_reparam(capsys):
     assert SUMMARY.match(lines[-1]) and lines[-1].startswith('0 of 2 ')  # 1.089 for 1.1, 0.642 for 0.6
     assert '2 of the others are off by more than 1% but round to the published numbers' in lines[-2]
     assert 'rep.' in out and 'no-attn+norms*5' in out
-    after = next(l for l in lines if l.strip().startswith('RePa-DeiT-Tiny (rep.)'))
+    after = next(ln for ln in lines if ln.strip().startswith('RePa-DeiT-Tiny (rep.)'))
     assert ' yes ' in after and '3.494' in after and '0.642' in after and after.split()[-2] == 'rounding'
 
 
@@ -224,10 +225,10 @@ def test_bench_with_baseline_and_reparam(capsys):
     assert code == 0
     assert 'reparameterized' in out and '1 threads' in out and '3x224x224' in out
     lines = out.splitlines()
-    base = next(l for l in lines if l.startswith('deit_tiny_patch16_224 (baseline)'))
+    base = next(ln for ln in lines if ln.startswith('deit_tiny_patch16_224 (baseline)'))
     assert lines[lines.index(base) - 2].split()[-4:] == ['vs', 'baseline', 'fresh', 'pages']
     assert base.split()[-2] == '1.00x' and re.fullmatch(r'[\d,]+', base.split()[-1])  # CPU: page faults per batch
-    model = next(l for l in lines if l.startswith('iffn_deit_tiny_patch16_224 '))
+    model = next(ln for ln in lines if ln.startswith('iffn_deit_tiny_patch16_224 '))
     assert re.fullmatch(r'\d+\.\d\dx', model.split()[-2])
 
 

@@ -13,8 +13,10 @@ from vitblocks.cli.common import ArgumentParser
 def _manual_norms(model, x):
     """The probe's numbers computed by running the blocks by hand (eval mode, no hooks): per block the mean
     token norms of X_in, attn branch, X_mid, MLP branch, X_out, and the mean per-token cos(X_in, X_out)."""
-    tok = lambda t: t.norm(dim=-1).mean().item()
-    cos = lambda u, v: ((u * v).sum(-1) / (u.norm(dim=-1) * v.norm(dim=-1))).mean().item()
+    def tok(t):
+        return t.norm(dim=-1).mean().item()
+    def cos(u, v):
+        return ((u * v).sum(-1) / (u.norm(dim=-1) * v.norm(dim=-1))).mean().item()
     rows = []
     with torch.no_grad():
         h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
@@ -88,13 +90,15 @@ def test_sequential_vs_parallel_matches_the_definition_and_vanishes_without_mlp(
                               num_heads=2).eval()
     x = torch.randn(2, 3, 32, 32)
     rows = sequential_vs_parallel(model, x)
-    tok = lambda t: t.norm(dim=-1).mean().item()
+    def tok(t):
+        return t.norm(dim=-1).mean().item()
     with torch.no_grad():  # by hand, with each block's input from the model's own (sequential) forward
         h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
         for r, blk in zip(rows, model.blocks):
             mid = h + blk.attn(blk.norm1(h))
             seq, par = mid + blk.mlp(blk.norm2(mid)), mid + blk.mlp(blk.norm2(h))
-            assert (r.stream_in, r.distance, r.update) == pytest.approx((tok(h), tok(seq - par), tok(seq - h)), rel=1e-5)
+            assert (r.stream_in, r.distance, r.update) == \
+                pytest.approx((tok(h), tok(seq - par), tok(seq - h)), rel=1e-5)
             assert r.relative == pytest.approx(r.distance / r.stream_in) and r.distance > 0
             h = blk(h)
     for blk in model.blocks:  # MLP branch outputs zero: sequential == parallel exactly

@@ -1,6 +1,7 @@
 """Every command example of README.md and docs/cli.md runs as written, and so does the README's
 Python snippet: no traceback, exit code 0 (2 with exactly the documented line for the documented
-error examples, which run by default; the others are marked slow). Budgets are cut (``BUDGET`` flags are appended; the last value of a flag wins)
+error examples, which run by default; the others are marked slow). Budgets are cut (``BUDGET`` flags are
+appended; the last value of a flag wins)
 and dataset NAMES resolve to tiny stand-ins (``$VITBLOCKS_DATA``); the commands run in order in
 one scratch folder, so a later example can use the run an earlier one made."""
 import os
@@ -32,7 +33,8 @@ BUDGET = {'bench': ['--repeats', '1', '--warmup', '0'],
 
 
 def examples(path: Path):
-    """(command, documented error line or None, shell steps before it) for each `$ vitblocks ...` / `vitblocks ...` line of a
+    """(command, documented error line or None, shell steps before it) for each `$ vitblocks ...` /
+    `vitblocks ...` line of a
     fenced block (with its backslash continuations) and the first `vitblocks ...` inline span of each
     paragraph ending in ':' (the docs' "command: output" convention)."""
     text = path.read_text(encoding='utf-8')

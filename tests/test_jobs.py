@@ -136,9 +136,9 @@ def test_time_limit_pauses_the_longest_run_so_that_the_others_finish(fake_jobs):
     assert (jobs[0].run_dir / 'results.json').exists() and (jobs[1].run_dir / 'results.json').exists()
     step, _ = (jobs[2].run_dir / 'last.txt').read_text().split()
     assert 0 < int(step) < 400 and not (jobs[2].run_dir / 'results.json').exists()  # its checkpoint is kept
-    assert any(l.startswith('pausing run2: the 3 runs going are projected to need') for l in lines), lines
-    assert 'paused run2' in lines and not any(l.startswith('resumed') for l in lines)  # 12 s never fit
-    assert [l for l in lines if l.startswith('finished')] == ['finished run0: exit 0', 'finished run1: exit 0']
+    assert any(ln.startswith('pausing run2: the 3 runs going are projected to need') for ln in lines), lines
+    assert 'paused run2' in lines and not any(ln.startswith('resumed') for ln in lines)  # 12 s never fit
+    assert [ln for ln in lines if ln.startswith('finished')] == ['finished run0: exit 0', 'finished run1: exit 0']
 
 
 def test_a_run_of_higher_priority_is_paused_after_the_others_even_if_it_needs_more(fake_jobs):
@@ -146,7 +146,7 @@ def test_a_run_of_higher_priority_is_paused_after_the_others_even_if_it_needs_mo
     lines = []
     report = run_jobs(jobs, parallel=2, threads=1, time_limit=12, window=0.5, poll=0.05, echo=lines.append)
     assert [j.name for j in report.paused] == ['run1'] and (jobs[0].run_dir / 'results.json').exists(), lines
-    assert any(l.startswith('pausing run1: ') and 'the most of the runs of its priority' in l for l in lines), lines
+    assert any(ln.startswith('pausing run1: ') and 'the most of the runs of its priority' in ln for ln in lines), lines
 
 
 def test_a_paused_run_resumes_when_the_runs_going_end_sooner_than_projected(fake_jobs, tmp_path):
@@ -160,10 +160,10 @@ def test_a_paused_run_resumes_when_the_runs_going_end_sooner_than_projected(fake
     lines = []
     report = run_jobs(jobs, parallel=2, threads=1, time_limit=17.5, window=0.5, poll=0.05, echo=lines.append)
     assert not (report.paused or report.failed or report.not_started), lines
-    assert [l.split(' (')[0] for l in lines if l.startswith(('started', 'resumed', 'paused', 'finished'))] == [
+    assert [ln.split(' (')[0] for ln in lines if ln.startswith(('started', 'resumed', 'paused', 'finished'))] == [
         'started run0', 'started run1', 'paused run1', 'finished run0: exit 0', 'resumed run1',
         'finished run1: exit 0'], lines
-    steps = [int(l.split(',')[0]) for l in (jobs[1].run_dir / 'metrics.csv').read_text().splitlines()[1:]]
+    steps = [int(ln.split(',')[0]) for ln in (jobs[1].run_dir / 'metrics.csv').read_text().splitlines()[1:]]
     assert steps == list(range(1, 121))  # resumed from its checkpoint, not started over
 
 
@@ -172,7 +172,7 @@ def test_at_the_limit_the_runs_going_are_paused_and_the_rest_not_started(fake_jo
     lines = []
     report = run_jobs(jobs, parallel=1, threads=1, time_limit=1.5, window=30, poll=0.05, echo=lines.append)
     assert [j.name for j in report.paused] == ['run0'] and [j.name for j in report.not_started] == ['run1']
-    assert any(l.startswith('pausing run0: the time limit (1.5 s) is reached') for l in lines), lines
+    assert any(ln.startswith('pausing run0: the time limit (1.5 s) is reached') for ln in lines), lines
     assert not jobs[1].run_dir.exists()
     # without a limit, the same call runs everything (the paused run from its checkpoint)
     report = run_jobs(fake_jobs(60, 10), parallel=2, threads=1, poll=0.05, echo=lines.append)

@@ -41,7 +41,8 @@ def _reference_attention(attn: ValueActivationAttention, x: torch.Tensor, value_
     w, b = attn.qkv.weight, attn.qkv.bias
     q, k, v = x @ w[:A].T + b[:A], x @ w[A:2 * A].T + b[A:2 * A], x @ w[2 * A:].T + b[2 * A:]
     v = value_fn(v)
-    heads = lambda t: t.reshape(B, N, H, A // H).transpose(1, 2)
+    def heads(t):
+        return t.reshape(B, N, H, A // H).transpose(1, 2)
     scores = heads(q) @ heads(k).transpose(-1, -2) / (A // H) ** 0.5
     out = (scores.softmax(-1) @ heads(v)).transpose(1, 2).reshape(B, N, A)
     return out @ attn.proj.weight.T + attn.proj.bias
@@ -76,7 +77,8 @@ def test_attention_dropout_only_in_training(fused):
 
 @pytest.mark.parametrize('dim', [192, 384])
 def test_glu_widens_value_by_d_squared_plus_d(dim):
-    count = lambda act: count_params(ValueActivationAttention(dim, num_heads=3, qkv_bias=True, value_act=act))
+    def count(act):
+        return count_params(ValueActivationAttention(dim, num_heads=3, qkv_bias=True, value_act=act))
     assert count('swiglu') - count(None) == dim * dim + dim  # "GLU Variant": V widened to 2D
     assert count('geglu') == count('glu') == count('swiglu')
     assert count('gelu') == count(None)

@@ -188,7 +188,8 @@ def test_repa_tables_and_conventions():
     t1, t2 = REPA.table(1), REPA.table(2)
     assert t1.macs.short == 'no-attn+norms*5' and t2.macs.short == 'attn'
     # Table 1: a before and an after row per backbone; the one with-attention number is DeiT-B after
-    assert sum(r.label.endswith('(rep.)') for r in t1.rows) == sum(not r.label.endswith('(rep.)') for r in t1.rows) == 15
+    reparam_rows = sum(r.label.endswith('(rep.)') for r in t1.rows)
+    assert reparam_rows == sum(not r.label.endswith('(rep.)') for r in t1.rows) == 15
     assert sum(r.reparam for r in t1.rows) == 15
     odd = [r.label for r in t1.rows if r.macs is not None]
     assert odd == ['RePa-DeiT-Base (rep.)'] and t1.convention(t1.rows[5]).include_attention

@@ -151,7 +151,8 @@ def test_deit_tiny_complexity_matches_both_tables():
     assert round(count_params(model) / 1e6, 1) == 5.7 and round(count_params(fused) / 1e6, 1) == 3.5
     before, after = count_macs(model), count_macs(fused)
     assert (round(before.gmacs, 1), round(after.gmacs, 1)) == (1.3, 0.8)  # Table 2
-    attention = lambda r: sum(v for k, v in r.by_op.items() if 'scaled_dot_product' in k) / 1e9
+    def attention(r):
+        return sum(v for k, v in r.by_op.items() if 'scaled_dot_product' in k) / 1e9
     assert (round(before.gmacs - attention(before), 1), round(after.gmacs - attention(after), 1)) == (1.1, 0.6)
     # fusing removes exactly 12 blocks x 197 tokens x (2*4 - 3) C^2 MACs (Sec. 4.3)
     assert before.total - after.total == 12 * 197 * 5 * 192 ** 2
@@ -398,7 +399,8 @@ def test_rewired_blocks_keep_timms_token_mixer_half(name, kwargs, size, expected
         recipe = _RECIPES.get(type(block))
         if recipe is None:
             continue
-        get = lambda attr: getattr(block, attr) if attr else None
+        def get(attr):
+            return getattr(block, attr) if attr else None
         unit = _OriginalFFNHalf(get(recipe.norm), get(recipe.unit), get(recipe.layer_scale), get(recipe.res_scale))
         setattr(block, recipe.unit, unit)
         for attr in (recipe.norm, recipe.layer_scale, recipe.res_scale):

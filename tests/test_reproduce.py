@@ -102,10 +102,12 @@ def test_crop_padding_4_shifts_the_training_images_only():
 
 
 def test_models_are_matched_by_label_or_name_in_any_case():
-    jobs = lambda *names: ninformer_jobs(['mnist'], list(names))
+    def jobs(*names):
+        return ninformer_jobs(['mnist'], list(names))
     assert jobs('NiNformer') == jobs('ninformer (ours)') == jobs('ninformer_vit_patch4_28') == \
         [('mnist', 'ninformer_vit_patch4_28')]
-    assert jobs('ViT', 'NiNformer') == [('mnist', 'ninformer_baseline_vit_patch4_28'), ('mnist', 'ninformer_vit_patch4_28')]
+    assert jobs('ViT', 'NiNformer') == [('mnist', 'ninformer_baseline_vit_patch4_28'),
+                                        ('mnist', 'ninformer_vit_patch4_28')]
     assert [r.label for r in select_rows(load_paper('ninformer').table('1-CIFAR10').rows, ['mlpmixer', 'LOCALVIT'])] \
         == ['MlpMixer', 'LocalViT']
 
@@ -188,7 +190,8 @@ def test_benchmark_models_are_one_backbone_with_one_swap():
     assert type(nin.attn).__name__ == 'MixerGatingUnit' and nin.norm2 is not nin.norm1
     # the same embedding, position embedding, norms and head in all nine
     assert all(count_params(m.patch_embed) + m.pos_embed.numel() + count_params(m.head) ==
-               count_params(base.patch_embed) + base.pos_embed.numel() + count_params(base.head) for m in models.values())
+               count_params(base.patch_embed) + base.pos_embed.numel() + count_params(base.head)
+               for m in models.values())
 
 
 @pytest.mark.parametrize('argv, message', [
@@ -212,7 +215,7 @@ def test_benchmark_every_configuration_through_the_harness(cifar_root, tmp_path,
                              '--set', 'progress=none', 'tensorboard=false', 'batch_size=16', TINY)
     assert code == 0, err
     lines = out.splitlines()
-    rows = {l.split()[0]: l.split() for l in lines if l.split()[:1] and l.split()[0] in BENCH_CONFIGS}
+    rows = {ln.split()[0]: ln.split() for ln in lines if ln.split()[:1] and ln.split()[0] in BENCH_CONFIGS}
     assert list(rows) == list(BENCH_CONFIGS) and rows['vanilla'][-1] == '1.00x'
     summary = {s['config']: s for s in json.loads((out_dir / 'summary.json').read_text())}
     for config in BENCH_CONFIGS:
@@ -227,7 +230,7 @@ def test_benchmark_every_configuration_through_the_harness(cifar_root, tmp_path,
     assert fold['folded_top1'] == fold['trained_top1'] and fold['predictions_differ'] == 0
     assert fold['max_logit_diff'] < 1e-4 and fold['folded_params'] < fold['trained_params']
     assert summary['repa']['folded_top1'] == [fold['folded_top1']]
-    assert any(l.startswith('note: repa: fp32 top-1 before folding') for l in lines)
+    assert any(ln.startswith('note: repa: fp32 top-1 before folding') for ln in lines)
     assert (out_dir / 'tradeoff.png').is_file() and (out_dir / 'table.txt').read_text().strip() in out
     # again with --jobs: every run is finished, so no process starts, and the runs are the same
     code, out2, err = run_cli(capsys, 'reproduce', 'cifar10-blocks', '--seeds', '0', '--configs', 'vanilla,repa',
@@ -280,7 +283,8 @@ def test_benchmark_run_killed_mid_training_resumes_from_last_pth(cifar_root, tmp
     assert restored == [killed_at] and 'vanilla seed 0: top-1' in out
     results = json.loads((last.parent / 'results.json').read_text())
     assert results['global_step'] == 6
-    train_rows = lambda: [l for l in (last.parent / 'metrics.csv').read_text().splitlines() if ',train,' in l]
+    def train_rows():
+        return [ln for ln in (last.parent / 'metrics.csv').read_text().splitlines() if ',train,' in ln]
     rows = train_rows()
     # killed after the last checkpoint, before results.json: the re-run evaluates and trains nothing
     (last.parent / 'results.json').unlink()

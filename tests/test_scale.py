@@ -130,8 +130,9 @@ def test_resume_with_more_epochs_follows_the_longer_schedule(data, tmp_path):
 
 def test_plateau_resumed_mid_run_keeps_its_counters(data, tmp_path):
     # lr 1e-6 leaves the test top-1 flat: epoch 1 sets the best, then every second epoch (num_bad_epochs >
-    # patience) halves the lr: after epochs 3 and 5 uninterrupted. Killed in epoch 5 (step 36), the resumed run must remember that epoch 4 was
-    # already a bad one (num_bad_epochs=1, best); with fresh counters epoch 5 would count as an improvement.
+    # patience) halves the lr: after epochs 3 and 5 uninterrupted. Killed in epoch 5 (step 36), the resumed run
+    # must remember that epoch 4 was already a bad one (num_bad_epochs=1, best); with fresh counters epoch 5
+    # would count as an improvement.
     kw = dict(sched='plateau', patience_epochs=1, decay_rate=0.5, lr=1e-6, epochs=6)
     straight = train(_cfg(data, tmp_path, name='straight', **kw))
     first = train(_cfg(data, tmp_path, max_steps=36, **kw))
@@ -524,7 +525,8 @@ def test_two_processes_stream_disjoint_halves_of_the_shards(tmp_path):
     out = _torchrun(tmp_path, {'cfg': cfg, 'dump': str(tmp_path / 'd'), 'dump_stream': True})
     assert out.returncode == 0, out.stderr[-3000:]
     assert load_checkpoint(tmp_path / 'run' / 'last.pth')['global_step'] == 8  # 64 samples / (2 x 4)
-    key = lambda images: {bytes(img.contiguous().view(-1).numpy()) for img in images}  # (B, C, H, W): one per image
+    def key(images):
+        return {bytes(img.contiguous().view(-1).numpy()) for img in images}  # (B, C, H, W): one per image
     # back from mean = std = 0.5 to the uint8 pixels
     rows = [key(torch.load(tmp_path / f'd.stream{r}').mul(127.5).add(127.5).round().to(torch.uint8)) for r in (0, 1)]
     assert len(rows[0]) == len(rows[1]) == 32 and not rows[0] & rows[1]  # each rank its own 2 shards, once

@@ -150,4 +150,5 @@ def test_table3_counts(name, params_m, gmacs):
         model = timm.create_model(name, block_cfg=dict(cca=False))  # the deployed form the table counts
     assert count_params(model) / 1e6 == pytest.approx(params_m, rel=0.01)
     # within 1% but two: 1.03 G prints as 1.0 G; S24's 4.98 G is 1.6% over (docs/afbo.md)
-    assert count_macs(model, **AFBO_MACS).gmacs == pytest.approx(gmacs, rel=0.01 if gmacs > 1 and params_m < 30 else 0.03)
+    tolerance = 0.01 if gmacs > 1 and params_m < 30 else 0.03
+    assert count_macs(model, **AFBO_MACS).gmacs == pytest.approx(gmacs, rel=tolerance)

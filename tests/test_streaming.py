@@ -2,7 +2,6 @@
 The 2-process run (shards split by rank) is in test_scale.py (slow)."""
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
