@@ -220,14 +220,13 @@ def _ninformer_budget(args, dropout: float, settings) -> str:
 
 
 def _table1_runs(args, datasets, models, dropout, output, settings):
-    return ninformer_table1(datasets, epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,
-                            test_subset=args.test_subset, device=args.device, data_root=args.data_root, output=output,
-                            dropout=dropout, threads=args.threads, models=models,
-                            extra=parse_overrides(args.overrides + settings), train=not args.no_train)
+    return ninformer_table1(datasets, output=output, dropout=dropout, threads=args.threads, models=models,
+                            train=not args.no_train, **_run_config(args, settings))
 
 
 def _run_config(args, settings):
-    """``ninformer_run_config``'s arguments (but dropout) for a run with these settings after --set."""
+    """The config arguments of ``ninformer_run_config`` and ``ninformer_table1`` (but dropout and threads) for a run
+    with these settings after --set."""
     return dict(data_root=args.data_root, extra=parse_overrides(args.overrides + settings), epochs=args.epochs,
                 max_steps=args.max_steps, train_subset=args.train_subset, test_subset=args.test_subset,
                 device=args.device)
@@ -299,17 +298,15 @@ def _blocks(args) -> int:
         raise CliError(f'--seeds {args.seeds}: expected distinct integers >= 0, e.g. 0,1,2')
     data = bench.bench_data(args.data_root)  # fails before anything trains
     t0 = time.perf_counter()
+    budget = dict(epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,
+                  test_subset=args.test_subset, device=args.device, extra=parse_overrides(args.overrides))
     if args.jobs > 1 or args.time_limit:  # runs in child processes; none for a run finished already
-        budget = dict(epochs=args.epochs, max_steps=args.max_steps, train_subset=args.train_subset,
-                      test_subset=args.test_subset, device=args.device, extra=parse_overrides(args.overrides))
         children = [Job(f'{c}/seed{s}', _blocks_child(args, c, s), Path(args.output) / c / f'seed{s}.log',
                         Path(args.output) / c / f'seed{s}') for c in configs for s in seeds
                     if not is_finished(bench.bench_config(c, s, data, **budget), Path(args.output) / c / f'seed{s}')]
         if children and _report_unfinished(_run_children(args, children)):
             return 1
-    runs = bench.run_benchmark(configs, seeds, args.data_root, args.output, epochs=args.epochs,
-                               max_steps=args.max_steps, train_subset=args.train_subset, test_subset=args.test_subset,
-                               device=args.device, threads=args.threads, extra=parse_overrides(args.overrides))
+    runs = bench.run_benchmark(configs, seeds, args.data_root, args.output, threads=args.threads, **budget)
     if args.train_only:
         for r in runs:
             fold = f', folded {r.fold["folded_top1"]:.2f}' if r.fold else ''

@@ -375,8 +375,8 @@ class Trainer:
                                   f'{self.data.train.describe()}; {self.steps_per_epoch} steps/epoch x {cfg.epochs} '
                                   f'epochs, batch {self.global_batch}, {self.data.pipeline} pipeline, {self.device}'
                                   + (f', from step {self.global_step}' if self.global_step else '')
-                                  + (f', set up {process_age_s():.0f} s after the process started'
-                                     if process_age_s() is not None else ''))
+                                  + (f', set up {age:.0f} s after the process started'
+                                     if (age := process_age_s()) is not None else ''))
             (self.run_dir / STOP_RECORD).unlink(missing_ok=True)  # this attempt replaces an earlier one's record
         try:
             with StopRequest() as self._stop:
@@ -511,9 +511,9 @@ class Trainer:
             self._loss_n = 0
             self._last_loss = avg
         self.progress.update(self.global_step, self.epoch_step, self._running_loss, lr)
-        if self.global_step == self._first_step and self.dist.is_main and process_age_s() is not None:
+        if self.global_step == self._first_step and self.dist.is_main and (age := process_age_s()) is not None:
             self.progress.message(f'first step of this process (step {self.global_step}) done '
-                                  f'{process_age_s():.0f} s after it started (compiling included)')
+                                  f'{age:.0f} s after it started (compiling included)')
         if self._stop_requested():
             self.progress.end_epoch()
             self._sync_window()

@@ -83,10 +83,15 @@ def _check_same_model(cfg: TrainConfig, results: Dict, run_dir: Path) -> None:
                         f'again, or use another --output')
 
 
+def _differing_keys(a: TrainConfig, b: TrainConfig) -> List[str]:
+    """The config keys in which ``a`` and ``b`` differ, sorted."""
+    a, b = a.to_dict(), b.to_dict()
+    return sorted(k for k, v in a.items() if b.get(k) != v)
+
+
 def _changed_keys(cfg: TrainConfig, run_dir: Path) -> List[str]:
     """The config keys in which the run in ``run_dir`` (its config.yaml) differs from ``cfg``, sorted."""
-    done = load_config(run_dir / 'config.yaml').to_dict()
-    return sorted(k for k, v in cfg.to_dict().items() if done.get(k) != v)
+    return _differing_keys(cfg, load_config(run_dir / 'config.yaml'))
 
 
 def _reusable_results(cfg: TrainConfig, run_dir: Path, changed: Sequence[str]) -> Optional[Dict]:
@@ -110,8 +115,7 @@ def _refuse_other_config(run_dir: Path, changed: Sequence[str]) -> None:
 def result_changing_keys(a: TrainConfig, b: TrainConfig) -> List[str]:
     """The config keys in which ``a`` and ``b`` differ, but those that cannot change a run's result (threads,
     device, logging: a finished run is reused across them), sorted."""
-    a, b = a.to_dict(), b.to_dict()
-    return sorted(k for k in a if a[k] != b.get(k) and k not in _SAME_RESULT)
+    return [k for k in _differing_keys(a, b) if k not in _SAME_RESULT]
 
 
 def is_finished(cfg: TrainConfig, run_dir: Path) -> bool:
