@@ -458,6 +458,30 @@ def test_options_that_would_be_ignored_or_crash_later_are_config_errors(layer, m
         merge(layer)
 
 
+def test_a_later_optimizer_resets_the_recipes_options_it_cannot_take():
+    deit = load_recipe('deit')
+    assert deit['opt'] == 'adamw' and deit['opt_eps'] == 1e-8
+    # the recipe's epsilon was AdamW's: SGD has none, so it goes, as timm's factory drops it
+    assert merge(deit, {'opt': 'sgd'}).opt_eps is None
+    # LAMB has an epsilon: the recipe's stays
+    assert merge(deit, {'opt': 'lamb'}).opt_eps == 1e-8
+    # betas: reset where the new optimizer takes none or another number of them
+    adamw_betas = {'opt': 'adamw', 'opt_betas': [0.9, 0.95]}
+    assert merge(adamw_betas, {'opt': 'sgd'}).opt_betas is None
+    assert merge(adamw_betas, {'opt': 'adan'}).opt_betas is None
+    assert merge(adamw_betas, {'opt': 'lamb'}).opt_betas == [0.9, 0.95]
+    # given with the optimizer, or after it, they are the user's: a mismatch is still an error
+    with pytest.raises(ConfigError, match='opt=sgd has no epsilon'):
+        merge(deit, {'opt': 'sgd', 'opt_eps': 1e-8})
+    with pytest.raises(ConfigError, match='opt=sgd has no epsilon'):
+        merge(deit, {'opt': 'sgd'}, {'opt_eps': 1e-6})
+    with pytest.raises(ConfigError, match='opt=sgd has no betas'):
+        merge({'opt_betas': [0.9, 0.99]}, {'opt': 'sgd'}, {'opt_betas': [0.9, 0.99]})
+    # an earlier layer's options without a later opt are checked as given
+    with pytest.raises(ConfigError, match='opt=sgd has no epsilon'):
+        merge({'opt': 'sgd'}, {'opt_eps': 1e-8})
+
+
 def test_optimizer_options_reach_the_optimizers_that_take_them(data, tmp_path):
     for opt, betas in (('adamw', (0.8, 0.95)), ('adan', (0.9, 0.92, 0.98))):  # Adan has three betas
         trainer = Trainer(tiny_cfg(data, tmp_path, name=opt, opt=opt, opt_eps=1e-6, opt_betas=list(betas)))

@@ -41,7 +41,7 @@ class TrainConfig:
     data: str = ''                  # dataset path or name (see vitblocks.data.build_dataset)
     recipe: str = ''                # the recipe it came from (informational)
     model_kwargs: Dict[str, Any] = field(default_factory=dict)  # extra timm.create_model kwargs
-    initial_checkpoint: Optional[str] = None  # start from these weights (fine-tuning; a differing head is re-initialized)
+    initial_checkpoint: Optional[str] = None  # start from these weights (fine-tuning; a differing head re-initialized)
     drop_rate: Optional[float] = None       # timm drop_rate (head dropout), passed only when set
     drop_path_rate: Optional[float] = None  # stochastic depth, passed only when set
     mlp_drop: Optional[float] = None        # dropout after every MLP layer (see setup.mlp_dropout_kwargs)
@@ -202,15 +202,22 @@ def parse_overrides(items: List[str]) -> Dict[str, Any]:
 
 
 def merge(*layers: Mapping[str, Any]) -> TrainConfig:
-    """A validated config from dict layers (later wins). ``model_kwargs`` dicts are merged."""
+    """A validated config from dict layers (later wins). ``model_kwargs`` dicts are merged.
+
+    A layer that picks another optimizer (``opt``) resets the ``opt_eps`` / ``opt_betas`` of earlier layers that
+    it cannot take (``--config deit opt=sgd``: the recipe's epsilon was AdamW's), as timm's factory does; given in
+    the same layer as ``opt``, or a later one, they are the user's and a mismatch stays an error."""
     values: Dict[str, Any] = {}
-    for layer in layers:
+    layer_of: Dict[str, int] = {}  # key -> index of the layer that set it last
+    for i, layer in enumerate(layers):
         for k, v in layer.items():
             if k == 'model_kwargs' and isinstance(v, dict):
                 values[k] = {**values.get(k, {}), **v}
             else:
                 values[k] = v
+            layer_of[k] = i
     _check_keys(values, 'config')
+    _reset_options_of_a_replaced_optimizer(values, layer_of)
     cfg = TrainConfig(**_check_values(values, 'config'))
     _validate(cfg)
     return cfg
@@ -270,6 +277,25 @@ def _validate(cfg: TrainConfig) -> None:
         problem = check_auto_augment(cfg.auto_augment, random_resized_crop=cfg.scale is not None)
         if problem:
             raise ConfigError(f'auto_augment={cfg.auto_augment!r}: expected {problem}')
+
+
+def _reset_options_of_a_replaced_optimizer(values: Dict[str, Any], layer_of: Mapping[str, int]) -> None:
+    """Drop the ``opt_eps`` / ``opt_betas`` set in a layer before the one that chose ``opt``, where that optimizer
+    has no epsilon, no betas or another number of betas (they were given for the earlier layer's optimizer)."""
+    stale = [k for k in ('opt_eps', 'opt_betas') if values.get(k) is not None and layer_of[k] < layer_of.get('opt', -1)]
+    if not stale:
+        return
+    from timm.optim import get_optimizer_info
+    try:
+        info = get_optimizer_info(str(values['opt']).lower())
+    except ValueError:  # an unknown optimizer: the schema's check of opt names it
+        return
+    if 'opt_eps' in stale and not info.has_eps:
+        values['opt_eps'] = None
+    betas = values.get('opt_betas')
+    miscounted = isinstance(betas, (list, tuple)) and len(betas) != info.num_betas
+    if 'opt_betas' in stale and (not info.has_betas or miscounted):
+        values['opt_betas'] = None
 
 
 def _check_optimizer_options(cfg: TrainConfig) -> None:
