@@ -2,7 +2,8 @@
 # Everything still owed to a GPU, in priority order, as ONE background job on the GPU machine:
 #   0. beside the rest, the suite's CUDA-only tests (CUDA_TESTS)                  -> runs/gpu-t1-cudatests.txt
 #   1. issue 10, NiNformer Table 1: 8 runs at once (100 epochs, `ninformer` recipe, fp32 with TF32
-#      matmuls, compiled with CUDA graphs), as many as fit in T1_TIME_LIMIT       -> runs/gpu-t1
+#      matmuls, compiled with CUDA graphs; under CUDA MPS where it starts, T1_MPS), as many as fit in
+#      T1_TIME_LIMIT                                                             -> runs/gpu-t1
 #      (rows committed finished under T1_SEED are reused, not retrained: no process starts for them), and
 #      in the same pool, paused before any Table 1 row if time runs short (reproduce --ablation), the
 #      CIFAR-10 NiNformer row started from PyTorch's default init, as the authors' script (block_cfg
@@ -56,8 +57,47 @@ sweep_flags=${SWEEP_FLAGS:-"--device cuda"}
 profile_flags=${PROFILE_FLAGS:-"--device cuda"}
 profile_models=${PROFILE_MODELS:-"iffn_deit_small_patch16_224 iffn_deit_small_patch16_224:bf16 afbo_poolformer_s12"}
 
+# CUDA MPS for Table 1 (T1_MPS=0: off). Without it the GPU gives each process's kernels their own time slices, so
+# eight runs of these small models, each leaving most of the GPU idle, went no faster together than one alone
+# (one NiNformer CIFAR-10 run alone: about 20k img/s; eight at once: about 3.2k img/s each, 25k in all). Under
+# MPS their kernels run side by side. A machine where the daemon or a probe client fails goes on without it.
+use_mps=${T1_MPS:-1}
+mps_control=${MPS_CONTROL:-nvidia-cuda-mps-control}
+mps_on=0
+
+mps_start() {
+  if [ "$use_mps" != 1 ]; then
+    echo "$(date -u +%T) mps: off (T1_MPS=$use_mps)" >> runs/lease.log; return
+  fi
+  if ! command -v "$mps_control" > /dev/null; then
+    echo "$(date -u +%T) mps: not available (no $mps_control), the runs take turns on the GPU" >> runs/lease.log
+    return
+  fi
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/vitblocks-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/vitblocks-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  # the probe: a CUDA client of the daemon (it starts the MPS server) that must compute within two minutes
+  if "$mps_control" -d >> runs/lease.log 2>&1 && timeout 120 $python -c 'import torch
+assert float(torch.ones(4, device="cuda").sum()) == 4' >> runs/lease.log 2>&1; then
+    mps_on=1
+    echo "$(date -u +%T) mps: on (the Table 1 runs share the GPU at once)" >> runs/lease.log
+  else
+    mps_stop
+    echo "$(date -u +%T) mps: failed its probe (above), off: the runs take turns on the GPU" >> runs/lease.log
+  fi
+}
+
+mps_stop() {  # before the speed measurements, which each want the GPU to themselves
+  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
+    echo quit | timeout 60 "$mps_control" >> runs/lease.log 2>&1
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    [ "$mps_on" = 1 ] && echo "$(date -u +%T) mps: stopped" >> runs/lease.log
+    mps_on=0
+  fi
+}
+
 job() {  # the background job: each step in turn, whatever the one before it left
   t1_end=$(( $(date +%s) + t1_limit ))
+  [ "$t1_limit" -ge "$t1_min" ] && mps_start  # before any CUDA client (a late machine trains nothing)
   # the suite's CUDA-only tests (skipped on a CPU), beside everything else: seconds   -> runs/gpu-t1-cudatests.txt
   ( $python -m pytest -q -p no:cacheprovider -rs $cuda_tests > runs/gpu-t1-cudatests.txt 2>&1 < /dev/null
     echo "$(date -u +%T) cuda tests exit $?" >> runs/lease.log ) &
@@ -98,6 +138,7 @@ job() {  # the background job: each step in turn, whatever the one before it lef
   done < runs/gpu-t1-rechecks.txt
   wait  # the rechecks: nothing trains while issue 15 measures speed
   echo "$(date -u +%T) rechecks: $(wc -l < runs/gpu-t1-rechecks.txt) row(s) rerun" >> runs/lease.log
+  mps_stop
   mkdir -p runs/profile15
   for spec in $profile_models; do  # model[:bf16]
     model=${spec%%:*}; amp=(); name=$model
@@ -120,6 +161,7 @@ job() {  # the background job: each step in turn, whatever the one before it lef
   touch runs/lease.done
 }
 if [ "${1:-}" = "--job" ]; then job; exit 0; fi
+if [ "${1:-}" = "--mps-only" ]; then mkdir -p runs; mps_start; mps_stop; exit 0; fi  # (tests)
 
 budget=${1:-560}
 mkdir -p runs

@@ -183,3 +183,36 @@ def test_a_late_machine_skips_table1_for_the_speed_sweep(tmp_path):
     assert 'table1 skipped: T1_TIME_LIMIT 200 s < T1_MIN 600 s' in log and 'sweep exit 0' in log, log
     assert 'table1 exit' not in log
     assert not list((tmp_path / 'runs').glob('gpu-t1*/*/*/config.yaml'))  # nothing trained
+
+
+def _fake(path, body):
+    path.write_text('#!/bin/bash\n' + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize('case', ['on', 'probe fails', 'no daemon', 'off'])
+def test_table1_shares_the_gpu_through_mps_where_a_probe_client_computes(tmp_path, case):
+    """MPS (its kernels side by side, not in time slices) for Table 1's runs: started, probed by a CUDA client,
+    stopped before the speed measurements; a failed probe stops the daemon and the runs go on without it.
+    Fakes of the daemon's control program and of the probe's Python stand in for a GPU machine's."""
+    lease = _lease_dir(tmp_path)
+    calls = tmp_path / 'calls.txt'
+    control = _fake(tmp_path / 'mps-control', f'echo "$* $(cat) pipe=$CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n'
+                    if case != 'no daemon' else 'exit 0\n')
+    probe = _fake(tmp_path / 'probe-python', 'exit 1\n' if case == 'probe fails' else 'exit 0\n')
+    env = {**os.environ, 'PYTHON': probe, 'MPS_CONTROL': control if case != 'no daemon' else 'no-such-mps-control',
+           'T1_MPS': '0' if case == 'off' else '1'}
+    subprocess.run(['bash', 'scripts/gpu_lease.sh', '--mps-only'], cwd=lease, env=env, check=True, timeout=60,
+                   stdin=subprocess.DEVNULL)
+    log = (lease / 'runs/lease.log').read_text()
+    if case in ('no daemon', 'off'):
+        assert ('mps: not available (no no-such-mps-control)' if case == 'no daemon' else 'mps: off (T1_MPS=0)') in log
+        assert not calls.exists()
+        return
+    # started as a daemon, then told to quit (after Table 1, or at once when the probe failed)
+    assert calls.read_text().splitlines() == ['-d  pipe=/tmp/vitblocks-mps/pipe', ' quit pipe=/tmp/vitblocks-mps/pipe']
+    if case == 'on':
+        assert 'mps: on' in log and 'mps: stopped' in log and 'failed its probe' not in log
+    else:
+        assert 'mps: failed its probe (above), off' in log and 'mps: on' not in log
