@@ -38,7 +38,8 @@ class Ticker:
     def _line(self, now: float) -> None:
         elapsed = now - self._t0
         of = f'/{self.total}' if self.total else ''
-        eta = f', about {elapsed * (self.total - self.done) / self.done:.0f} s left' if self.total and 0 < self.done < self.total else ''
+        eta = (f', about {elapsed * (self.total - self.done) / self.done:.0f} s left'
+               if self.total and 0 < self.done < self.total else '')
         print(f'{self.desc}: {self.done}{of} {self.unit} in {elapsed:.0f} s{eta}', file=sys.stderr, flush=True)
 
     def close(self) -> None:

@@ -12,3 +12,8 @@ from .collapse import (BlockDivergence, BlockNorms, CollapseReport, plot_diverge
 from .entropy import EntropyReport, block_entropy, feature_entropy, plot_entropy
 from .gradcam import gradcam_maps, gradcam_target, plot_gradcam
 from .lipschitz import FfnLipschitz, ffn_lipschitz, model_lipschitz, sdp_lipschitz_bound
+
+__all__ = ['LatencyBreakdown', 'latency_breakdown', 'plot_breakdown', 'BlockDivergence', 'BlockNorms', 'CollapseReport',
+           'plot_divergence', 'plot_residual_growth', 'residual_growth', 'sequential_vs_parallel', 'EntropyReport',
+           'block_entropy', 'feature_entropy', 'plot_entropy', 'gradcam_maps', 'gradcam_target', 'plot_gradcam',
+           'FfnLipschitz', 'ffn_lipschitz', 'model_lipschitz', 'sdp_lipschitz_bound']

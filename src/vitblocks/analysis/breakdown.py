@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Sequence, Union
+from typing import Dict, Sequence, Union
 
 import torch
 from torch import nn
@@ -97,9 +97,13 @@ def latency_breakdown(model: nn.Module, images: torch.Tensor, name: str = '', wa
         for h in handles:
             h.remove()
         model.train(was_training)
-    ms = lambda seconds: 1e3 * statistics.median(seconds)
+
+    def median_ms(seconds):
+        return 1e3 * statistics.median(seconds)
+
     return LatencyBreakdown(name or type(model).__name__, images.shape[0], str(device),
-                            {c: ms(v) for c, v in per_comp.items()}, ms(hooked), ms(plain), ms(other))
+                            {c: median_ms(v) for c, v in per_comp.items()}, median_ms(hooked), median_ms(plain),
+                            median_ms(other))
 
 
 def plot_breakdown(results: Sequence[LatencyBreakdown], path: Union[str, Path], title: str = '') -> Path:

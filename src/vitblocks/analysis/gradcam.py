@@ -9,7 +9,7 @@ the class token, so its patch tokens get no gradient). Layouts:
 
 | family | layer output | reshape |
 | --- | --- | --- |
-| ViT/DeiT (and vitblocks variants) | ``(B, P + H*W, C)`` | drop the P prefix tokens, grid from ``patch_embed.grid_size`` |
+| ViT/DeiT (and vitblocks variants) | ``(B, P + H*W, C)`` | drop P prefix tokens, grid from ``patch_embed.grid_size`` |
 | MLP-Mixer | ``(B, H*W, C)`` | grid from ``stem.grid_size`` |
 | Swin | ``(B, H, W, C)`` | channels to dim 1 |
 | PoolFormer (MetaFormer) | ``(B, C, H, W)`` | none |
@@ -31,7 +31,8 @@ def _token_grid(model: nn.Module) -> Tuple[int, int]:
     embed = getattr(model, 'patch_embed', None) or getattr(model, 'stem', None)  # MlpMixer calls it stem
     grid = getattr(embed, 'grid_size', None)
     if grid is None:
-        raise ValueError(f'{type(model).__name__} has no patch_embed/stem.grid_size; cannot lay its tokens out as a map')
+        raise ValueError(f'{type(model).__name__} has no patch_embed/stem.grid_size; '
+                         'cannot lay its tokens out as a map')
     return int(grid[0]), int(grid[1])
 
 

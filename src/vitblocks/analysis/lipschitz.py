@@ -44,8 +44,11 @@ def slope_range(base: str) -> Tuple[float, float]:
     base = get_base_activation(base)
     if base == 'gelu':
         pdf = math.exp(-1) / math.sqrt(2 * math.pi)
-        cdf = lambda t: 0.5 * (1 + math.erf(t / math.sqrt(2)))
-        return cdf(-math.sqrt(2)) - math.sqrt(2) * pdf, cdf(math.sqrt(2)) + math.sqrt(2) * pdf
+
+        def normal_cdf(t):
+            return 0.5 * (1 + math.erf(t / math.sqrt(2)))
+
+        return normal_cdf(-math.sqrt(2)) - math.sqrt(2) * pdf, normal_cdf(math.sqrt(2)) + math.sqrt(2) * pdf
     x = torch.linspace(-12, 12, 240001, dtype=torch.float64, requires_grad=True)
     (grad,) = torch.autograd.grad(BASE_ACTIVATIONS[base](x).sum(), x)
     return min(grad.min().item(), 0.0), max(grad.max().item(), 1.0)
@@ -104,16 +107,19 @@ def jacobian_norm_lower_bound(f: Callable[[torch.Tensor], torch.Tensor], x: torc
     """
     g = torch.Generator(device='cpu').manual_seed(seed)
     v = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
-    per_sample = lambda t: t.flatten(1).norm(dim=1).view(-1, *([1] * (t.ndim - 1)))  # (B,) as (B, 1, ...)
-    v = v / per_sample(v)
+
+    def per_sample_norm(t):
+        return t.flatten(1).norm(dim=1).view(-1, *([1] * (t.ndim - 1)))  # (B,) as (B, 1, ...)
+
+    v = v / per_sample_norm(v)
     sigma = torch.zeros(x.shape[0], device=x.device)
     with torch.enable_grad():
         for _ in range(iters):
             _, jv = torch.func.jvp(f, (x,), (v,))  # J v
             _, pullback = torch.func.vjp(f, x)
             (jtjv,) = pullback(jv)  # J^T J v
-            sigma = per_sample(jv).flatten()  # ||J v|| with ||v|| = 1
-            v = (jtjv / per_sample(jtjv).clamp_min(1e-30)).detach()
+            sigma = per_sample_norm(jv).flatten()  # ||J v|| with ||v|| = 1
+            v = (jtjv / per_sample_norm(jtjv).clamp_min(1e-30)).detach()
     return sigma.detach()
 
 
@@ -243,8 +249,8 @@ def _channels_first(ffn: nn.Module) -> bool:
 def capture_inputs(model: nn.Module, modules: Sequence[Tuple[str, nn.Module]], images: torch.Tensor):
     """``{name: first positional input}`` of each module during one eval forward of ``model``."""
     seen = {}
-    eval_forward_with_hooks(model, images, [m.register_forward_pre_hook(lambda mod, args, n=n: seen.__setitem__(n, args[0]))
-                                            for n, m in modules])
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.__setitem__(n, args[0])) for n, m in modules]
+    eval_forward_with_hooks(model, images, hooks)
     return seen
 
 

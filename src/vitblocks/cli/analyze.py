@@ -28,7 +28,8 @@ examples:
   vitblocks analyze entropy deit_tiny_patch16_224 iffn_deit_tiny_patch16_224 --checkpoint a.pth b.pth --data cifar10
   vitblocks analyze gradcam deit_tiny_patch16_224 iffn_deit_tiny_patch16_224 --checkpoint a.pth b.pth --data cifar10
   vitblocks analyze breakdown deit_tiny_patch16_224 deit_small_patch16_224 repa_deit_small_patch16_224 --deploy
-  vitblocks analyze collapse deit_tiny_patch16_224 mabvit_glu_vit_tiny_patch16_224 --checkpoint a.pth b.pth --data cifar10
+  vitblocks analyze collapse deit_tiny_patch16_224 mabvit_glu_vit_tiny_patch16_224 --checkpoint a.pth b.pth \\
+      --data cifar10
 
 MODEL is a timm or vitblocks name; --checkpoint takes one file per MODEL ('-' = random init):
 a vitblocks run's last.pth/best.pth (it carries the model's kwargs, input size and normalization),

@@ -92,8 +92,8 @@ def run_entropy(args, models, images, device, out) -> int:
             reports.append(analysis.block_entropy(m.model, images[0], name=m.name, bins=args.bins))
         except ValueError as e:
             raise CliError(str(e)) from None
-    print(f'entropy per-channel Shannon entropy of block outputs, {args.bins} bins, bits (max {reports[0].max_entropy:.2f});'
-          ' mean over channels\n')
+    print(f'entropy per-channel Shannon entropy of block outputs, {args.bins} bins, '
+          f'bits (max {reports[0].max_entropy:.2f}); mean over channels\n')
     depth = max(len(r.blocks) for r in reports)
     rows = [[i] + [_fmt(r.blocks[i].mean, 3) if i < len(r.blocks) else '' for r in reports] for i in range(depth)]
     rows.append(['mean'] + [_fmt(r.average, 3) for r in reports])
@@ -168,7 +168,8 @@ def run_collapse(args, models, images, device, out) -> int:
         print(f'\n{m.name}: mean per-token L2 norms; seq-par = |X_seq - X_par| between the sequential and the '
               f'parallel composition of the block\'s own weights')
         rows = [[b.index, f'{b.stream_in:.3f}', f'{b.attn_ratio:.3f}', f'{b.mlp_ratio:.3f}', f'{b.cosine:.3f}',
-                 f'{d.distance:.4f}', f'{d.relative:.4f}', f'{d.relative_to_update:.3f}'] for b, d in zip(growth.blocks, div)]
+                 f'{d.distance:.4f}', f'{d.relative:.4f}', f'{d.relative_to_update:.3f}']
+                for b, d in zip(growth.blocks, div)]
         print('\n'.join(render_table(['block', '|X_in|', 'attn/X', 'mlp/X', 'cos(in,out)', 'seq-par', 'seq-par/X',
                                       'seq-par/update'], rows, 'rrrrrrrr')))
     _plot(out, lambda path: analysis.plot_divergence(curves, path))

@@ -226,10 +226,12 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: s
     """Lines of an aligned table. ``align``: one 'l' or 'r' per column; ``fmt``: 'text' or 'md'."""
     cells = [[str(h) for h in headers]] + [['' if c is None else str(c) for c in r] for r in rows]
     if fmt == 'md':
-        esc = lambda s: s.replace('|', '\\|')
-        lines = ['| ' + ' | '.join(esc(c) for c in cells[0]) + ' |',
+        def escape_pipes(s):
+            return s.replace('|', '\\|')
+
+        lines = ['| ' + ' | '.join(escape_pipes(c) for c in cells[0]) + ' |',
                  '|' + '|'.join(' ---: ' if a == 'r' else ' --- ' for a in align) + '|']
-        return lines + ['| ' + ' | '.join(esc(c) for c in r) + ' |' for r in cells[1:]]
+        return lines + ['| ' + ' | '.join(escape_pipes(c) for c in r) + ' |' for r in cells[1:]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     out = []
     for r in cells:

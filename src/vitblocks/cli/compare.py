@@ -195,13 +195,16 @@ def select(papers: Sequence[Paper], tables: Optional[Sequence[str]], models: Opt
             raise CliError(f'no table {", ".join(unknown)} in {", ".join(p.key for p in papers)}; '
                            f'available: {", ".join(sorted(known, key=_table_sort_key))}')
     subs = [m.lower() for m in models or ()]
-    match = lambda r: not subs or any(s in (r.model or '').lower() or s in r.label.lower() for s in subs)
+
+    def row_matches(r):
+        return not subs or any(s in (r.model or '').lower() or s in r.label.lower() for s in subs)
+
     out = []
     for paper in papers:
         for table in paper.tables:
             if tables and table.number not in tables:
                 continue
-            rows = [r for r in table.rows if match(r)]
+            rows = [r for r in table.rows if row_matches(r)]
             if rows:
                 out.append((table, rows))
     if not out:
@@ -364,16 +367,19 @@ def _csv(results) -> str:
     w.writerow(['paper', 'table', 'row', 'model', 'ffn', 'block_cfg', 'base_kwargs', 'reparam', 'params_m_ours',
                 'params_m_paper', 'params_delta_pct', 'gmacs_ours', 'gmacs_paper', 'gmacs_delta_pct', 'top1_paper',
                 'throughput_paper', 'include_norms', 'norm_macs_per_element', 'include_attention', 'status', 'note'])
-    num = lambda v, d: '' if v is None else f'{v:.{d}f}'
+
+    def fixed(v, d):
+        return '' if v is None else f'{v:.{d}f}'
+
     for table, rows in results:
         for r in rows:
             note = r.measured.error if r.measured is not None and r.measured.error else r.row.note
             conv = table.convention(r.row)
             w.writerow([table.paper, table.number, r.row.label, r.row.model or '', r.row.ffn or '',
                         format_cfg(r.row.block_cfg), format_cfg(r.row.base_kwargs), r.row.reparam,
-                        num(r.ours('params_m'), 4), num(r.row.params_m, 2), num(r.deltas.get('params_m'), 3),
-                        num(r.ours('gmacs'), 4), num(r.row.gmacs, 2), num(r.deltas.get('gmacs'), 3),
-                        num(r.row.top1, 1), num(r.row.throughput, 1), conv.include_norms,
+                        fixed(r.ours('params_m'), 4), fixed(r.row.params_m, 2), fixed(r.deltas.get('params_m'), 3),
+                        fixed(r.ours('gmacs'), 4), fixed(r.row.gmacs, 2), fixed(r.deltas.get('gmacs'), 3),
+                        fixed(r.row.top1, 1), fixed(r.row.throughput, 1), conv.include_norms,
                         '' if conv.norm_macs_per_element is None else conv.norm_macs_per_element,
                         conv.include_attention, r.status, note])
     return buf.getvalue()

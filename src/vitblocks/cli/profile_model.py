@@ -75,19 +75,22 @@ def exclusive_macs(model: nn.Module, by_module: Dict[str, int]) -> Dict[str, int
     so we subtract the nearest counted descendants instead of direct children.
     """
     root = type(model).__name__
-    key = lambda path: f'{root}.{path}' if path else root
+
+    def counter_key(path):  # FlopCounterMode's name of the module at ``path``
+        return f'{root}.{path}' if path else root
+
     out: Dict[str, int] = {}
 
     def counted_below(mod: nn.Module, path: str) -> int:
         total = 0
         for name, child in mod.named_children():
             p = f'{path}.{name}' if path else name
-            total += by_module[key(p)] if key(p) in by_module else counted_below(child, p)
+            total += by_module[counter_key(p)] if counter_key(p) in by_module else counted_below(child, p)
         return total
 
     for path, mod in model.named_modules():
-        if key(path) in by_module:
-            out[path] = by_module[key(path)] - counted_below(mod, path)
+        if counter_key(path) in by_module:
+            out[path] = by_module[counter_key(path)] - counted_below(mod, path)
     out['(outside modules)'] = by_module.get('Global', 0) - by_module.get(root, 0)
     return out
 
@@ -118,8 +121,11 @@ def top_modules(model: nn.Module, by_module: Dict[str, int], depth: int) -> List
     for path, p in model.named_parameters():
         params['.'.join(path.split('.')[:-1][:depth]) or '(root)'] += p.numel()
     rows = [(n, macs[n], params[n]) for n in set(macs) | set(params) if macs[n] or params[n]]
-    natural = lambda name: [int(s) if s.isdigit() else s for s in name.split('.')]  # blocks.2 before blocks.10
-    return sorted(rows, key=lambda t: (-t[1], -t[2], natural(t[0])))
+
+    def natural_key(name):  # blocks.2 before blocks.10
+        return [int(s) if s.isdigit() else s for s in name.split('.')]
+
+    return sorted(rows, key=lambda t: (-t[1], -t[2], natural_key(t[0])))
 
 
 def run(args) -> int:
@@ -144,15 +150,18 @@ def run(args) -> int:
     print(f'GFLOPs  {with_norms.gflops:.3f}  (= 2 x GMACs with norms)')
 
     total_p, total_m = params, with_norms.total
-    pct = lambda part, whole: f'{100.0 * part / whole:.1f}%' if whole else '-'
-    rows = [[c, f'{p / 1e6:.3f}', pct(p, total_p), f'{m / 1e9:.3f}', pct(m, total_m)]
+
+    def percent(part, whole):
+        return f'{100.0 * part / whole:.1f}%' if whole else '-'
+
+    rows = [[c, f'{p / 1e6:.3f}', percent(p, total_p), f'{m / 1e9:.3f}', percent(m, total_m)]
             for c, (p, m) in breakdown(model, with_norms.by_module).items()]
     rows.append(['total', f'{total_p / 1e6:.3f}', '100.0%', f'{total_m / 1e9:.3f}', '100.0%'])
     print('\ncomponents (MACs with norms)')
     print('\n'.join(render_table(['component', 'params M', 'share', 'GMACs', 'share'], rows, 'lrrrr', indent='  ')))
 
     top = top_modules(model, with_norms.by_module, args.depth)
-    rows = [[n, f'{m / 1e9:.3f}', pct(m, total_m), f'{p / 1e6:.3f}'] for n, m, p in top[:args.top]]
+    rows = [[n, f'{m / 1e9:.3f}', percent(m, total_m), f'{p / 1e6:.3f}'] for n, m, p in top[:args.top]]
     more = f', {len(top) - args.top} more not shown' if len(top) > args.top else ''
     print(f'\ntop modules at depth {args.depth} by MACs (with norms{more})')
     print('\n'.join(render_table(['module', 'GMACs', 'share', 'params M'], rows, 'lrrr', indent='  ')))

@@ -12,5 +12,6 @@ from .streaming import StreamingShards, StreamLoader
 from .transforms import BatchTransform, build_pil_transform, dataset_mean_std, match_channels
 
 __all__ = ['DataError', 'ImageDataset', 'TensorImageDataset', 'ShardDataset', 'FolderDataset', 'build_dataset',
-           'resolve_data_path', 'data_roots', 'eval_split_of', 'find_shards', 'EpochOrder', 'TensorLoader',
-           'PILLoader', 'DeviceBatches', 'StreamingShards', 'StreamLoader', 'derive_seed', 'BatchTransform', 'build_pil_transform', 'dataset_mean_std', 'match_channels']
+           'resolve_data_path', 'data_roots', 'eval_split_of', 'find_shards', 'EpochOrder', 'TensorLoader', 'PILLoader',
+           'DeviceBatches', 'StreamingShards', 'StreamLoader', 'derive_seed', 'BatchTransform', 'build_pil_transform',
+           'dataset_mean_std', 'match_channels']

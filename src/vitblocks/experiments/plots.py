@@ -22,7 +22,10 @@ def plot_curves(run_dir: Path, out: Optional[Path] = None) -> Path:
     rows = read_metrics(run_dir / 'metrics.csv')
     if not rows:
         raise ValueError(f'{run_dir / "metrics.csv"}: no rows yet')
-    series = lambda split, key: [(float(r['epoch']), float(r[key])) for r in rows if r['split'] == split and r[key]]
+
+    def series(split, key):  # [(epoch, value)] of ``key`` in the rows of ``split`` that have it
+        return [(float(r['epoch']), float(r[key])) for r in rows if r['split'] == split and r[key]]
+
     out = out or run_dir / 'curves.png'
     with png_figure(out, dpi=120, ncols=2, figsize=(10, 4)) as (fig, (acc, loss)):
         for split, label, style in (('val', 'test top-1', 'o-'), ('val_ema', 'EMA test top-1', 's--')):

@@ -197,6 +197,10 @@ def _list_len(n: int, item_rule: Callable[[Any], str]) -> Callable[[Any], str]:
     return check
 
 
+def _positive_int(v) -> str:
+    return '' if v >= 1 else 'a positive integer'
+
+
 # timm's scheduler names (timm.scheduler.create_scheduler_v2), and 'none' for a constant lr
 SCHEDULERS = ('cosine', 'tanh', 'step', 'multistep', 'plateau', 'poly', 'none')
 CHOICES = {'compile_mode': ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'),
@@ -207,14 +211,14 @@ CHOICES = {'compile_mode': ('default', 'reduce-overhead', 'max-autotune', 'max-a
            'interpolation': ('bilinear', 'bicubic'),  # the two both pipelines implement
            'remode': ('const', 'rand', 'pixel'), 'dist_bn': ('reduce', 'broadcast', 'none')}
 
-_POSITIVE_INT = lambda v: '' if v >= 1 else 'a positive integer'
 _NON_NEGATIVE = _at_least(0)
 _PROBABILITY = _between(0, 1)
 RULES: Dict[str, Callable[[Any], str]] = {
     **{k: _one_of(v) for k, v in CHOICES.items()},
     'opt': _optimizer, 'device': _device,
-    'resume': lambda v: '' if v == 'auto' else "'auto' (or null); to resume a given run use vitblocks train --resume RUN",
-    **{k: _POSITIVE_INT for k in ('epochs', 'batch_size', 'log_interval', 'eval_interval', 'lr_base_size',
+    'resume': lambda v: '' if v == 'auto' else ("'auto' (or null); to resume a given run use "
+                                                 "vitblocks train --resume RUN"),
+    **{k: _positive_int for k in ('epochs', 'batch_size', 'log_interval', 'eval_interval', 'lr_base_size',
                                   'max_steps', 'train_subset', 'val_subset', 'threads', 'num_classes', 'recount',
                                   'grad_accum', 'train_samples')},
     **{k: _NON_NEGATIVE for k in ('lr', 'lr_base', 'weight_decay', 'warmup_epochs', 'warmup_lr', 'min_lr',
@@ -250,7 +254,8 @@ def check_auto_augment(value: str, random_resized_crop: bool) -> str:
     pattern = re.compile(rf'({"|".join(keys)})[-+]?\d+(\.\d*)?')
     for s in sections:
         if not (pattern.fullmatch(s) or (head == 'rand' and s.startswith('t') and len(s) > 1)):
-            return f'{head} sections {", ".join(k + "<number>" for k in keys)}; {s!r} is not one (e.g. rand-m9-mstd0.5-inc1)'
+            return (f'{head} sections {", ".join(k + "<number>" for k in keys)}; {s!r} is not one '
+                    '(e.g. rand-m9-mstd0.5-inc1)')
     if head != 'rand' and not random_resized_crop:
         return "'rand-...' unless scale is set (without RandomResizedCrop only RandAugment is applied)"
     return ''

@@ -15,6 +15,16 @@ from .afbo import AFBO, SpatialAttention, afbo_full, afbo_grouped, scfbo_gc, scf
 from .ffn_counterparts import ConvGLU, ConvNeXtFFN, LocalViTFFN, glu, group_ffn, swiglu
 from .scheme import SCHEME
 
+__all__ = ['ACTIVATIONS', 'AGeLU', 'ArbitraryActivation', 'ConcatArbitraryActivations', 'activation_name', 'create_act',
+           'get_base_activation', 'timm_mlp', 'IFFN', 'DepthwiseBlock', 'SumOfNonlinearities', 'RationalGELU',
+           'erf_rational', 'gelu_rational', 'TokenLayout', 'apply_spatial', 'check_grid', 'merge_tokens',
+           'split_tokens', 'FFN_INHERITS', 'FFN_REGISTRY', 'create_ffn', 'list_ffns', 'register_ffn', 'RePaDeployedFFN',
+           'RePaFFN', 'TokenBatchNorm', 'active_channels', 'repa_ffn', 'GATED_VALUE_ACTIVATIONS', 'VALUE_ACTIVATIONS',
+           'ParallelBlock', 'ValueActivationAttention', 'LocalityFFN', 'MixerGatingUnit', 'DenseChannelMap',
+           'GroupedChannelMap', 'GroupedCrossChannelMap', 'OverlappedCycleChannelMap', 'create_channel_map', 'AFBO',
+           'SpatialAttention', 'afbo_full', 'afbo_grouped', 'scfbo_gc', 'scfbo_oc', 'ConvGLU', 'ConvNeXtFFN',
+           'LocalViTFFN', 'glu', 'group_ffn', 'swiglu', 'SCHEME']
+
 # torch.fx: these layers branch in Python on their input's layout (tokens, channels-first or
 # channels-last maps; the grid of their TokenLayout) or on autograd state, which symbolic tracing
 # cannot follow. Registered as timm "notrace" modules, timm's FX tools (``FeatureGraphNet``,

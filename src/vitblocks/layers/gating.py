@@ -183,9 +183,11 @@ class LocalityFFN(nn.Module):
         bias, drop_probs = to_2tuple(bias), to_2tuple(drop)
         act_layer = ACTIVATIONS[activation_name(act_layer)].module
         if self.layout.channels_first:
-            linear = lambda i, o, b: nn.Conv2d(i, o, 1, bias=b, **dd)
+            def linear(i, o, b):
+                return nn.Conv2d(i, o, 1, bias=b, **dd)
         else:
-            linear = lambda i, o, b: nn.Linear(i, o, bias=b, **dd)
+            def linear(i, o, b):
+                return nn.Linear(i, o, bias=b, **dd)
         self.fc1 = linear(in_features, hidden_features, bias[0])
         self.act1 = act_layer()
         self.conv = nn.Conv2d(hidden_features, hidden_features, kernel_size, padding=kernel_size // 2,

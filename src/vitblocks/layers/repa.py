@@ -231,7 +231,8 @@ class RePaFFN(nn.Module):
             weights, biases = [merged] + weights, [bias] + biases
         else:
             deployed.bias.copy_(bias)
-        deployed.in_proj.weight.copy_(torch.cat(weights).view_as(deployed.in_proj.weight))  # (o, i) -> conv (o, i, 1, 1)
+        # (o, i) -> conv (o, i, 1, 1)
+        deployed.in_proj.weight.copy_(torch.cat(weights).view_as(deployed.in_proj.weight))
         deployed.in_proj.bias.copy_(torch.cat(biases))
         if k:  # Eq. 7: the active path keeps fc2's first K columns
             deployed.fc2.weight.copy_(w2[:, :k].reshape(deployed.fc2.weight.shape))
@@ -319,7 +320,8 @@ class RePaDeployedFFN(nn.Module):
             out = h.narrow(dim, 0, self.linear_features)  # x W~ + b, a view
         else:  # theta = 0: no linear path, the identity shortcut plus the folded bias
             out = x + (bias.view(-1, 1, 1) if self.channels_first else bias)  # (C,) -> (C, 1, 1) for NCHW
-        active = h.narrow(dim, self.linear_features, self.active_features)  # x W~in + b_in, the K active channels (a view)
+        # x W~in + b_in, the K active channels (a view)
+        active = h.narrow(dim, self.linear_features, self.active_features)
         if not torch.jit.is_scripting():
             # no autograd: activate and accumulate in place, no new buffers; autocast does not cover the
             # in-place addmm_ (bf16 activations against the fp32 weight), so it takes the out-of-place path

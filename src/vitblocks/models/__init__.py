@@ -19,6 +19,11 @@ from .mabvit import add_pre_logits, make_parallel, swap_value_attention  # regis
 from .ninformer import swap_gating_unit  # registers the NiNformer-paper models
 from . import blocks_bench  # noqa: F401  (registers the CIFAR-10 blocks benchmark models)
 
+__all__ = ['VariantSpec', 'get_variant', 'list_models', 'register_variant', 'resolve_model_name', 'SUPPORTED_FAMILIES',
+           'find_ffn_slots', 'swap_ffn', 'expose_no_weight_decay', 'no_weight_decay_names', 'expose_group_matcher',
+           'has_group_matcher', 'list_residual_ffns', 'swap_residual_ffn', 'add_pre_logits', 'make_parallel',
+           'swap_value_attention', 'swap_gating_unit', 'BACKBONE_MODULES', 'list_backbones']
+
 # backbones the papers use that timm does not have, registered with timm by these modules
 BACKBONE_MODULES = ('lvvit', 'lvt', 'cyclemlp', 'hiremlp', 'edgevit', 'vision_llama')
 

@@ -68,7 +68,8 @@ def _mabvit(model, cfg):
 BLOCK_CONFIGS = (
     ('vanilla', None, _no_swap, {}, 'vanilla ViT block (MLP 4D, GELU)'),
     ('iffn', 'iffn', partial(_ffn, 'iffn'), dict(kernel_size=3), 'IFFN in place of the MLP'),
-    ('afbo', 'afbo', partial(_ffn, 'afbo'), dict(gccm_groups=2, occm_groups=4), 'AFBO (G1=2, G2=4) in place of the MLP'),
+    ('afbo', 'afbo', partial(_ffn, 'afbo'), dict(gccm_groups=2, occm_groups=4),
+     'AFBO (G1=2, G2=4) in place of the MLP'),
     ('swiglu', 'afbo', partial(_ffn, 'swiglu'), {}, 'SwiGLU (width 8/3 D) in place of the MLP'),
     ('repa', 'repa', lambda m, c: swap_residual_ffn(m, 'repa', **c), dict(idle_ratio=0.75),
      'RePa channel-idle FFN (theta 0.75), foldable'),

@@ -23,7 +23,7 @@ when the input resolution changes.
 | HireMLPNet (``models.hiremlp``) | ``stages[s].blocks[i].mlp`` | channels-first ``(B, C, H, W)`` |
 | EdgeViT (``vitblocks.models.edgevit``) | ``stages[s].blocks[i].local_agg.mlp`` | channels-first ``(B, C, H, W)`` |
 |                               | ``stages[s].blocks[i].global_attn.mlp`` | channels-last ``(B, H, W, C)`` |
-| PyramidVisionLLaMA (``vitblocks.models.vision_llama``) | ``stages[s].blocks[i].mlp`` (SwiGLU) | channels-last ``(B, H, W, C)`` |
+| PyramidVisionLLaMA (``models.vision_llama``) | ``stages[s].blocks[i].mlp`` (SwiGLU) | channels-last ``(B, H, W, C)`` |
 
 PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. The grid-aware FFNs (those with a ``TokenLayout``)
 take that argument as timm's ``MlpWithDepthwiseConv`` does and set their layout from it on every call
@@ -211,8 +211,11 @@ def _mlp_dims(mlp: nn.Module) -> Tuple[int, int, int, bool]:
     """(in, hidden, out, bias) of a timm Mlp-like module (Linear or 1x1-conv fc1/fc2; timm's SwiGLU has
     the gate and value halves of fc1 as fc1_g, fc1_x)."""
     fc1, fc2 = mlp.fc1 if hasattr(mlp, 'fc1') else mlp.fc1_g, mlp.fc2
-    dims = lambda m: (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.in_channels, m.out_channels)
-    (c_in, hidden), (_, c_out) = dims(fc1), dims(fc2)
+
+    def in_out(m):
+        return (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.in_channels, m.out_channels)
+
+    (c_in, hidden), (_, c_out) = in_out(fc1), in_out(fc2)
     return c_in, hidden, c_out, fc1.bias is not None
 
 

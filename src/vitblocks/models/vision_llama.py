@@ -22,11 +22,11 @@ LLaMA blocks.
 * Head: the authors apply the final LayerNorm to every token, average, then apply *the same*
   LayerNorm again before the linear classifier; we keep that (it is how their checkpoints score).
 
-| model | widths | depths | heads | SwiGLU hidden | params | GMACs (attn incl.) |
+| model | widths | depths | heads | SwiGLU hidden | params (M) | GMACs (attn incl.) |
 | --- | --- | --- | --- | --- | ---: | ---: |
-| ``pyramid_visionllama_s`` | 64, 128, 256, 512 | 2, 2, 10, 4 | 2, 4, 8, 16 | 256, 512, 768, 1536 | 25.90 M | 3.31 |
-| ``pyramid_visionllama_b`` | 96, 192, 384, 768 | 2, 2, 18, 2 | 3, 6, 12, 24 | 256, 512, 1024, 2048 | 56.03 M | 8.56 |
-| ``pyramid_visionllama_l`` | 128, 256, 512, 1024 | 2, 2, 18, 2 | 4, 8, 16, 32 | 512, 768, 1536, 2816 | 104.72 M | 16.57 |
+| ``pyramid_visionllama_s`` | 64, 128, 256, 512 | 2, 2, 10, 4 | 2, 4, 8, 16 | 256, 512, 768, 1536 | 25.90 | 3.31 |
+| ``pyramid_visionllama_b`` | 96, 192, 384, 768 | 2, 2, 18, 2 | 3, 6, 12, 24 | 256, 512, 1024, 2048 | 56.03 | 8.56 |
+| ``pyramid_visionllama_l`` | 128, 256, 512, 1024 | 2, 2, 18, 2 | 4, 8, 16, 32 | 512, 768, 1536, 2816 | 104.72 | 16.57 |
 
 The published counts (AFBO Table 2: 22.0 / 56.0 / 99.0 M, 2.6 / 9.0 / 18.0 G) fit this definition for B
 only; with the SwiGLU width not rounded (``swiglu_align=0``) S and L have Twins-SVT-S/L's sizes (24.03 M,
@@ -57,7 +57,8 @@ __all__ = ['PyramidVisionLLaMA', 'LocallyGroupedRoPEAttention', 'GlobalSubsample
 
 @register_notrace_function  # shapes decide the table: an FX leaf
 def rope_2d(head_dim: int, rows: int, cols: int, step: float = 1., offset: float = 0.,
-            device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+            device: Optional[torch.device] = None,
+            dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
     """(sin, cos), each ``(rows * cols, head_dim)``, of the 2-D RoPE on a row-major grid whose point
     ``(i, j)`` sits at ``x = offset + step * j``, ``y = offset + step * i``. Channel pair ``2m, 2m+1``
     rotates by ``x * f_{m//2}`` (m even) or ``y * f_{m//2}`` (m odd), ``f_k = 10000^(-4k / head_dim)``."""
@@ -98,7 +99,8 @@ class LocallyGroupedRoPEAttention(nn.Module):
         Hp, Wp = x.shape[1:3]
         h, w = Hp // ws, Wp // ws
         x = x.reshape(B, h, ws, w, ws, C).transpose(2, 3).reshape(B * h * w, ws * ws, C)  # windows (B', ws*ws, C)
-        q, k, v = self.qkv(x).reshape(B * h * w, ws * ws, 3, nh, C // nh).permute(2, 0, 3, 1, 4).unbind(0)  # (B', n, 3, nh, d) -> 3 x (B', nh, n, d)
+        # (B', n, 3, nh, d) -> 3 x (B', nh, n, d)
+        q, k, v = self.qkv(x).reshape(B * h * w, ws * ws, 3, nh, C // nh).permute(2, 0, 3, 1, 4).unbind(0)
         rope = rope_2d(C // nh, ws, ws, device=x.device, dtype=q.dtype)
         out = F.scaled_dot_product_attention(_rotate(q, rope), _rotate(k, rope), v,
                                              dropout_p=self.attn_drop if self.training else 0.)
@@ -131,7 +133,8 @@ class GlobalSubsampledRoPEAttention(nn.Module):
         if self.sr is not None:
             x = self.norm(self.sr(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))  # (B, C, H, W) -> (B, H/r, W/r, C)
         h, w = x.shape[1:3]
-        k, v = self.kv(x).reshape(B, h * w, 2, nh, C // nh).permute(2, 0, 3, 1, 4).unbind(0)  # (B, M, 2, nh, d) -> 2 x (B, nh, M, d)
+        # (B, M, 2, nh, d) -> 2 x (B, nh, M, d)
+        k, v = self.kv(x).reshape(B, h * w, 2, nh, C // nh).permute(2, 0, 3, 1, 4).unbind(0)
         q = _rotate(q, rope_2d(C // nh, H, W, device=x.device, dtype=q.dtype))
         k = _rotate(k, rope_2d(C // nh, h, w, step=float(r), offset=(r - 1) / 2., device=x.device, dtype=k.dtype))
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.)

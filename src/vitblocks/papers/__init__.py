@@ -124,7 +124,10 @@ class PaperRow:
 
     def build_key(self) -> Tuple:
         """Hashable identity of the model this row builds (rows with equal keys build equal models)."""
-        freeze = lambda d: tuple(sorted((k, repr(v)) for k, v in d.items()))
+
+        def freeze(d):
+            return tuple(sorted((k, repr(v)) for k, v in d.items()))
+
         return self.model, self.ffn, freeze(self.block_cfg), freeze(self.base_kwargs)
 
 
