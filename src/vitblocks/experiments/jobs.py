@@ -108,8 +108,10 @@ def run_to_pause(projected: Dict[str, Optional[float]], seconds_left: float,
                  priority: Optional[Dict[str, int]] = None) -> Optional[str]:
     """The run to pause: None if the runs (sharing one device, ``shared_finish``) all end within
     ``seconds_left``; else, of the runs of lowest ``priority`` (default 0), the one furthest from its
-    end (shortest-first finishes the most runs). On a device the runs do not actually share (each at
-    its own pace), this pauses only runs that would miss the limit anyway."""
+    end (shortest-first finishes the most runs). Where the runs do not take turns but run side by side (CUDA
+    MPS, several devices), the projection is optimistic (the last run ends at the largest projection, not at
+    their mean), so it pauses less than it would under equal sharing, and only while some run would miss the
+    limit."""
     known = {name: s for name, s in projected.items() if s is not None}
     if not known or shared_finish(projected, len(projected)) <= seconds_left:
         return None
