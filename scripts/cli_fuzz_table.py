@@ -56,6 +56,8 @@ CASES = [  # (what, command line with placeholders, extra setup)
     ('split the data lacks', 'eval --checkpoint RUN/last.pth --data DATA --split val'),
     ('unwritable --json (before evaluating)', 'eval --checkpoint RUN/last.pth --data DATA --json FILE/r.json'),
     ('a key only training reads', 'eval --checkpoint RUN/last.pth --data DATA lr=3 mixup=0.8'),
+    ('training augmentation of a robustness set', 'eval --checkpoint RUN/last.pth --data DATA --robustness '
+                                                  'imagenet-r --train-augment 3'),
     ('empty metrics.csv', 'plot EMPTYMETRICS --no-latency'),
     ('unwritable plot folder', 'plot RUN --output FILE/figs --no-latency'),
     ('IFFN num_functions=0', 'profile iffn_deit_tiny_patch16_224 --block-cfg num_functions=0'),

@@ -11,6 +11,8 @@
 #      and the CIFAR-10 ViT row with seeds 1 and 2 (VIT_SEEDS), its seed spread   -> runs/gpu-t1-seed{1,2}
 #      then each row that diverged or missed the paper by more than a point, in full fp32, and each
 #      diverged one also with clip_grad=1.0 (scripts/table1_rechecks.py)  -> runs/gpu-t1-{fp32,clip}
+#      then each run finished on this machine evaluated through its training augmentation, as the
+#      authors' script evaluates (vitblocks eval --train-augment 3)      -> RUN/eval_train_augment.json
 #   2. issue 15, the check of docs/gpu_speed.md's IFFN/AFBO hypothesis (scripts/gpu_profile15.py)
 #                                                                                 -> runs/profile15/*.txt
 #   3. issue 15, the speed sweep (scripts/gpu_issue15.py), resuming the committed runs still valid
@@ -55,6 +57,7 @@ recheck_min=${RECHECK_MIN:-300}
 cuda_tests=${CUDA_TESTS:-"tests/test_scale.py -k cuda_vote"}
 sweep_flags=${SWEEP_FLAGS:-"--device cuda"}
 profile_flags=${PROFILE_FLAGS:-"--device cuda"}
+eval_flags=${EVAL_FLAGS:-"--device cuda"}
 profile_models=${PROFILE_MODELS:-"iffn_deit_small_patch16_224 iffn_deit_small_patch16_224:bf16 afbo_poolformer_s12"}
 
 # CUDA MPS for Table 1 (T1_MPS=0: off). Without it the GPU gives each process's kernels their own time slices, so
@@ -138,6 +141,19 @@ job() {  # the background job: each step in turn, whatever the one before it lef
   done < runs/gpu-t1-rechecks.txt
   wait  # the rechecks: nothing trains while issue 15 measures speed
   echo "$(date -u +%T) rechecks: $(wc -l < runs/gpu-t1-rechecks.txt) row(s) rerun" >> runs/lease.log
+  # 1c. the authors' script measures test accuracy through its training augmentation (random crops and flips):
+  # each run that finished here (its last.pth is on this machine) is also evaluated that way, 3 passes
+  n=0
+  for ckpt in runs/gpu-t1*/*/*/last.pth; do
+    d=${ckpt%/last.pth}
+    [ -f "$d/results.json" ] && [ ! -s "$d/eval_train_augment.json" ] || continue
+    data=$(sed -n 's/^data: //p' "$d/config.yaml")
+    $python -m vitblocks eval --checkpoint "$ckpt" --data "$data" --train-augment 3 --progress none $eval_flags \
+      --json "$d/eval_train_augment.json" > "$d/eval_train_augment.txt" 2>&1 < /dev/null &
+    n=$((n + 1))
+  done
+  wait
+  echo "$(date -u +%T) evaluated $n run(s) through the training augmentation" >> runs/lease.log
   mps_stop
   mkdir -p runs/profile15
   for spec in $profile_models; do  # model[:bf16]

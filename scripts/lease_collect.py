@@ -20,6 +20,7 @@ and cifar10/ as on the lease, e.g. ``ln -s /work/shared/data .gpu_data``, since 
     python scripts/lease_collect.py results.tgz [--docs docs/results] [--data-root .gpu_data]
 """
 import argparse
+import json
 import os
 import re
 import shutil
@@ -42,7 +43,7 @@ GROUPS = {  # run group -> (docs folder suffix, the --set values that made its r
     'gpu-t1-clip': ('_clip', ['clip_grad=1.0']),
 }
 SEED_GROUP = re.compile(r'gpu-t1-seed(\d+)$')
-RUN_FILES = ('config.yaml', 'metrics.csv', 'results.json', 'curves.png')
+RUN_FILES = ('config.yaml', 'metrics.csv', 'results.json', 'curves.png', 'eval_train_augment.json')
 
 
 def group_settings(group: str):
@@ -123,6 +124,25 @@ def print_table(group_dir: Path, settings, data_root: str) -> str:
     return f'{command}\n\n{out.stdout.strip()}\n'
 
 
+def augmented_table(group_dir: Path) -> str:
+    """Each run's top-1 through its training augmentation (``eval_train_augment.json``, written on the lease by
+    ``vitblocks eval --train-augment``: how the authors' script measures) beside its clean final top-1."""
+    rows = []
+    for f in sorted(group_dir.glob('*/*/eval_train_augment.json')):
+        res = json.loads(f.read_text())
+        (clean,) = res['results'].values()
+        aug = res['train_augment']
+        passes = ', '.join(f'{p["top1"]:.2f}' for p in aug['passes'])
+        rows.append(f'| {f.parent.parent.name}/{f.parent.name} | {clean["top1"]:.2f} | {aug["top1_mean"]:.2f} '
+                    f'| {aug["top1_mean"] - clean["top1"]:+.2f} | {passes} |')
+    if not rows:
+        return ''
+    return ('Top-1 through the training augmentation (random crops and flips of the test images, as the authors\' '
+            'script evaluates; `vitblocks eval --train-augment 3` on the lease):\n\n'
+            '| run | clean % | augmented % (mean) | difference | passes |\n| --- | ---: | ---: | ---: | --- |\n'
+            + '\n'.join(rows) + '\n')
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('archive', type=Path, help="a lease's results.tgz")
@@ -154,7 +174,8 @@ def main(argv=None) -> int:
         for run in sorted(p.parent for p in local.glob('*/*/config.yaml')):
             print('  ' + place(run, run.parent / f'{run.name}.log', dest, unfinished))
         table = print_table(local, settings, args.data_root)
-        print(table)
+        augmented = augmented_table(local)
+        print(table + (f'\n{augmented}' if augmented else ''))
         for plot in local.glob('*/tradeoff.png'):
             (dest / plot.parent.name).mkdir(parents=True, exist_ok=True)
             shutil.copy2(plot, dest / plot.parent.name / plot.name)
@@ -162,7 +183,8 @@ def main(argv=None) -> int:
             (dest / 'table.md').write_text(f'<!-- printed by lease_collect.py from {args.archive.name}'
                                            f'{" (" + env + ")" if env else ""}:\n{table.splitlines()[0]}\n'
                                            f'finished runs here, unfinished in ../{unfinished.name}/ -->\n\n'
-                                           + '\n'.join(table.splitlines()[2:]) + '\n')
+                                           + '\n'.join(table.splitlines()[2:]) + '\n'
+                                           + (f'\n{augmented}' if augmented else ''))
     return 0
 
 

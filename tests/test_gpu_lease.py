@@ -36,7 +36,8 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
            'SWEEP_FLAGS': '--device cpu --img-size 32 --batches 1 --precisions fp32 --compile eager --warmup 0 '
                           '--repeats 1 --groups deit_tiny',
            'PROFILE_FLAGS': '--device cpu --img-size 32 --batch 2 --repeats 1',
-           'PROFILE_MODELS': 'iffn_deit_tiny_patch16_224', 'T1_SEED': ''}  # the committed GPU runs: not these runs'
+           'PROFILE_MODELS': 'iffn_deit_tiny_patch16_224', 'T1_SEED': '',  # the committed GPU runs: not these runs'
+           'EVAL_FLAGS': '--device cpu --threads 1'}
 
     def call(seconds):
         return subprocess.run(['bash', 'scripts/gpu_lease.sh', str(seconds)], cwd=tmp_path, env=env,
@@ -74,6 +75,12 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     assert len((tmp_path / 'runs/gpu-t1-rechecks.txt').read_text().splitlines()) == 8
     assert sum(n.startswith('runs/gpu-t1-fp32/') and n.endswith('/results.json') for n in names) == 8
     assert not any(n.startswith('runs/gpu-t1-clip') for n in names)
+    # every run finished on the machine also evaluated through its training augmentation (the authors' way)
+    finished = [n[:-len('results.json')] for n in names if n.endswith('/results.json')]
+    assert len(finished) == 19 and 'evaluated 19 run(s) through the training augmentation' in log
+    for run in finished:
+        aug = json.loads((tmp_path / run / 'eval_train_augment.json').read_text())['train_augment']
+        assert len(aug['passes']) == 3 and f'{run}eval_train_augment.json' in names
     fp32 = yaml.safe_load((tmp_path / 'runs/gpu-t1-fp32/mnist/ninformer_vit_patch4_28/config.yaml').read_text())
     assert fp32['matmul_precision'] == 'highest' and 'rechecks: 8 row(s) rerun' in log
     assert 'rechecks (8 ablation runs finished):' in second.stdout

@@ -42,6 +42,11 @@ def test_a_lease_archive_lands_where_the_next_lease_seeds_from(tmp_path):
     _copy_run(H100_UNFINISHED / NIN_CIFAR, lease / 'runs/gpu-t1' / NIN_CIFAR)  # further than the committed copy
     _copy_run(H100_UNFINISHED / NIN_MNIST, lease / 'runs/gpu-t1' / NIN_MNIST, up_to_epoch=40)  # less far
     _copy_run(H100 / VIT, lease / 'runs/gpu-t1-seed1' / VIT, seed=1)  # a new finished group
+    # evaluated on the lease through its training augmentation (vitblocks eval --train-augment 3 --json)
+    passes = [{'top1': v, 'top5': 99.0, 'loss': 1.0, 'num_images': 10000} for v in (61.5, 62.0, 62.5)]
+    (lease / 'runs/gpu-t1-seed1' / VIT / 'eval_train_augment.json').write_text(json.dumps(
+        {'results': {'cifar10 [test]': {'top1': 64.07}}, 'train_augment': {'passes': passes, 'top1_mean': 62.0,
+                                                                              'top1_std': 0.5}}))
     (lease / 'runs/gpu-t1-env.txt').write_text('NVIDIA H100 80GB HBM3, 580.159.04\ntorch 2.11.0 timm 1.0.29\n')
     with tarfile.open(tmp_path / 'results.tgz', 'w:gz') as tar:
         tar.add(lease / 'runs', arcname='runs')
@@ -77,6 +82,9 @@ def test_a_lease_archive_lands_where_the_next_lease_seeds_from(tmp_path):
     seed_table = (seed1 / 'table.md').read_text()
     assert 'seed=1' in seed_table and '| ViT | 64.07 | 64.95 | 65.74 | -1.67 | 100.00 |' in seed_table
     assert (repo / 'runs/gpu-t1-seed1' / VIT / 'results.json').is_file()  # unpacked where the command reads it
+    assert (seed1 / VIT / 'eval_train_augment.json').is_file()
+    row = f'| {VIT} | 64.07 | 62.00 | -2.07 | 61.50, 62.00, 62.50 |'
+    assert row in seed_table and row in out.stdout and 'through the training augmentation' not in table  # none here
 
 
 def test_an_archive_that_is_no_lease_result_is_refused(tmp_path):

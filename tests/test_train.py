@@ -597,6 +597,61 @@ def test_cli_train_eval_and_resume(data, tmp_path, capsys):
     assert code == 0 and 'reparameterized' in out, err
 
 
+def test_eval_through_the_training_augmentation(data, tmp_path, capsys):
+    """--train-augment N: the test split through the run's training transform (as the NiNformer authors' script
+    evaluates), N passes of their own random draws; with no augmentation in the run it is the clean evaluation."""
+    import json
+    kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=none',
+          'tensorboard=false']
+    for name, aug in (('plain', ['hflip=0', 'crop_padding=0']), ('aug', ['hflip=0.5', 'crop_padding=2'])):
+        code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
+                                 'ninformer', '--max-steps', 3, '--batch-size', 8, '--output', tmp_path, '--name',
+                                 name, '--threads', 1, *kw, *aug)
+        assert code == 0, err
+
+    def augmented(run, passes, json_name):
+        code, out, err = run_cli(capsys, 'eval', '--checkpoint', tmp_path / run / 'last.pth', '--data', data,
+                                 '--threads', 1, '--progress', 'none', '--train-augment', passes, '--json',
+                                 tmp_path / json_name)
+        assert code == 0, err
+        assert f'top-1 through the training augmentation, {passes} pass(es): ' in out
+        res = json.loads((tmp_path / json_name).read_text())
+        (clean,) = res['results'].values()
+        return clean, res['train_augment']
+
+    clean, aug = augmented('plain', 2, 'plain.json')
+    for p in aug['passes']:  # no random crop or flip in this run: the training transform is the evaluation's
+        assert p['num_images'] == 40
+        assert (p['top1'], p['loss']) == pytest.approx((clean['top1'], clean['loss']), rel=1e-6)
+    clean, aug = augmented('aug', 3, 'aug.json')
+    losses = [p['loss'] for p in aug['passes']]
+    assert all(p['num_images'] == 40 for p in aug['passes'])  # every image once per pass
+    assert len(set(losses)) == 3 and clean['loss'] not in losses  # each pass its own crops and flips
+    assert aug['top1_mean'] == pytest.approx(sum(p['top1'] for p in aug['passes']) / 3)
+    _, again = augmented('aug', 3, 'again.json')
+    assert [p['loss'] for p in again['passes']] == losses  # seeded: the same draws again
+
+    # RandAugment is timm's PIL pipeline: the passes go through it too (the only random draws of this run)
+    code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
+                             'ninformer', '--max-steps', 1, '--batch-size', 8, '--output', tmp_path, '--name', 'ra',
+                             '--threads', 1, *kw, 'hflip=0', 'crop_padding=0', 'auto_augment=rand-m9-mstd0.5')
+    assert code == 0, err
+    clean, aug = augmented('ra', 2, 'ra.json')
+    assert len({p['loss'] for p in aug['passes']} | {clean['loss']}) == 3
+
+    code, out, err = run_cli(capsys, 'eval', '--checkpoint', tmp_path / 'aug' / 'last.pth', '--data', data,
+                             '--robustness', 'imagenet-r', '--train-augment', 1)
+    assert code == 2 and 'which --robustness does not go with' in err, err
+    code, out, err = run_cli(capsys, 'eval', '--checkpoint', tmp_path / 'aug' / 'last.pth', '--data', data,
+                             '--train-augment', 0)
+    assert code == 2 and "argument --train-augment: expected an integer >= 1, got '0'" in err, err
+    from safetensors.torch import save_file
+    save_file(load_checkpoint(tmp_path / 'aug' / 'last.pth')['model'], tmp_path / 'w.safetensors')
+    code, out, err = run_cli(capsys, 'eval', '--model', 'vit_tiny_patch16_224', '--checkpoint',
+                             tmp_path / 'w.safetensors', '--data', data, '--train-augment', 1, kw[0])
+    assert code == 2 and 'is not a vitblocks run checkpoint, so no training augmentation is known' in err, err
+
+
 def test_the_log_says_how_long_setup_and_the_first_step_took(data, tmp_path, capsys, monkeypatch):
     # a lease's eight runs spent minutes before training (decoding, compiling): each log now says how many
     kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=log',

@@ -1,4 +1,5 @@
 """`vitblocks eval --model NAME --checkpoint PATH --data PATH [--reparam]`: accuracy, loss, speed."""
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ import torch
 from timm.utils import reparameterize_model
 
 from ..data import DataError, build_dataset, eval_split_of
+from ..data.transforms import PIL_ONLY_AUGMENTS
 from ..deploy.io import (DeployedCheckpointError, is_deployed_file, load_deployed, read_deployed_metadata,
                          recorded_preprocessing)
 from ..experiments import CheckpointError, ConfigError, evaluate, load_model_weights, merge, parse_overrides
@@ -42,6 +44,9 @@ The data's class names must be among the checkpoint's (an MNIST checkpoint on CI
 refused); --split must name a split the data has. KEY=VALUE takes the keys evaluation reads
 (model, data, preprocessing, loader); a key only training reads (lr=, epochs=, mixup=, amp=,
 threads= ...) is refused rather than ignored.
+--train-augment N evaluates a run checkpoint (its config holds the augmentation) N more times with the
+split's images through the run's training transform (every image once per pass, passes seeded 0..N-1),
+as the NiNformer authors' script measures its test accuracy; the clean evaluation is printed first.
 """
 
 
@@ -59,6 +64,10 @@ def add_parser(subparsers) -> None:
     p.add_argument('--device', help="'cpu', 'cuda', 'cuda:1' (default auto: cuda if available; or device=)")
     p.add_argument('--threads', type=positive_int)
     p.add_argument('--workers', type=int, help='DataLoader worker processes (default 0; or workers=)')
+    p.add_argument('--train-augment', type=positive_int, metavar='PASSES',
+                   help='also evaluate PASSES times through the run\'s training augmentation (its crops, flips, '
+                        'erasing, RandAugment; not mixup), each pass with its own random draws, as the NiNformer '
+                        'authors\' script evaluates; prints each pass and their mean')
     p.add_argument('--per-class', action='store_true', help='print the accuracy of every class')
     p.add_argument('--json', metavar='PATH', help='also write the results as JSON')
     p.add_argument('--progress', choices=('auto', 'bar', 'log', 'none'), default='auto',
@@ -194,6 +203,34 @@ def _open_split(cfg, split: str, explicit: bool, classes):
     return ds
 
 
+class _Pass:
+    """Pass ``k`` of an augmented loader (its epoch ``k``: the k-th set of random draws) as the one pass
+    ``evaluate`` reads (``epoch(0)``)."""
+
+    def __init__(self, loader, k: int):
+        self.loader, self.k, self.order = loader, k, getattr(loader, 'order', None)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def epoch(self, epoch: int, start: int = 0):
+        return self.loader.epoch(self.k, start)
+
+
+def _augmented_passes(args, cfg, data, model, device, dist):
+    """``args.train_augment`` evaluations of ``data.val`` through the run's training transform (PIL's where the
+    run needs it: RandAugment, color jitter, RandomResizedCrop)."""
+    if any(getattr(cfg, k) for k in PIL_ONLY_AUGMENTS) and data.pipeline == 'tensor':
+        data = dataclasses.replace(data, pipeline='pil')
+    loader = make_loader(cfg, data, False, device, dist.rank, dist.world_size, augment=True)
+    passes = []
+    for k in range(args.train_augment):
+        torch.manual_seed(k)  # erasing draws from the global generator
+        passes.append(evaluate(model, _Pass(loader, k), data.val.num_classes, device,
+                               progress=args.progress if dist.is_main else 'none'))
+    return passes
+
+
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -203,10 +240,16 @@ def run(args) -> int:
     try:
         overrides = parse_overrides(args.overrides)
         refuse_training_only(overrides, args.overrides)  # before any checkpoint or data is read
+        if args.train_augment and (deployed or args.robustness):
+            raise CliError(f'--train-augment evaluates through a run\'s training augmentation, which '
+                           f'{"a deployed file" if deployed else "--robustness"} does not go with; drop one')
         if deployed:
             cfg, model, meta = _load_deployed(args, Path(args.checkpoint), overrides)
         else:
             cfg, state, meta = _load(args, overrides)
+            if args.train_augment and not meta:
+                raise CliError(f'--train-augment: {args.checkpoint} is not a vitblocks run checkpoint, so no '
+                               f'training augmentation is known for it (give last.pth/best.pth of a run)')
         device = resolve_device(cfg.device)
         dist = init_distributed(device.type)
         if device.type == 'cuda' and dist.enabled:
@@ -249,6 +292,7 @@ def run(args) -> int:
                            class_subset=rs.class_subset if rs else None,
                            progress=args.progress if dist.is_main else 'none')
             results.append((rs, dataset, res))
+        augmented = _augmented_passes(args, cfg, data, model, device, dist) if args.train_augment else []
     except (ConfigError, DataError, CheckpointError) as e:
         raise CliError(str(e)) from None
     if not dist.is_main:
@@ -272,6 +316,13 @@ def run(args) -> int:
             rows = [[i, dataset.classes[i], t, f'{a:.2f}' if a is not None else '-']
                     for i, (t, a) in enumerate(zip(res.per_class_total, res.per_class_top1))]
             print('\n'.join(render_table(['class', 'name', 'images', 'top-1 %'], rows, 'llrr', indent='  ')))
+    if augmented:
+        top1 = torch.tensor([res.top1 for res in augmented], dtype=torch.float64)
+        std = top1.std().item() if len(augmented) > 1 else 0.0
+        print(f'top-1 through the training augmentation, {len(augmented)} pass(es): {top1.mean().item():.2f}% '
+              f'(std {std:.2f}; {", ".join(f"{v:.2f}" for v in top1.tolist())})')
+        out['train_augment'] = {'passes': [res.to_dict() for res in augmented], 'top1_mean': top1.mean().item(),
+                                'top1_std': std}
     if args.robustness == 'imagenet-c':
         errors = {}
         for rs, _, res in results:

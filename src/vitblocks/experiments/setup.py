@@ -270,12 +270,16 @@ def check_same_dataset(saved: Optional[Dict[str, Any]], data: DataSetup, saved_p
 
 
 def make_loader(cfg: TrainConfig, data: DataSetup, training: bool, device: torch.device, rank: int = 0,
-                world_size: int = 1, batch_size: Optional[int] = None):
-    """A TensorLoader, PILLoader or (``streaming=true``, training) StreamLoader over the train or val split."""
+                world_size: int = 1, batch_size: Optional[int] = None, augment: bool = False):
+    """A TensorLoader, PILLoader or (``streaming=true``, training) StreamLoader over the train or val split.
+
+    ``augment``: the val split through the training transform (crops, flips, erasing, RandAugment as ``cfg`` sets
+    them), in evaluation order, every image once; epoch ``k`` of the loader is the k-th set of random draws."""
     ds = data.train if training else data.val
     bs = batch_size or cfg.batch_size
+    augmented = training or augment  # the training transform
     if data.pipeline == 'tensor' and ds.images is not None:
-        tf = BatchTransform(data.input_size, data.mean, data.std, training, hflip=cfg.hflip, vflip=cfg.vflip,
+        tf = BatchTransform(data.input_size, data.mean, data.std, augmented, hflip=cfg.hflip, vflip=cfg.vflip,
                             crop_padding=cfg.crop_padding, interpolation=cfg.interpolation, reprob=cfg.reprob,
                             remode=cfg.remode, recount=cfg.recount, crop_pct=cfg.crop_pct, device=device)
         on_device = cfg.images_on_device and device.type == 'cuda'
@@ -283,9 +287,9 @@ def make_loader(cfg: TrainConfig, data: DataSetup, training: bool, device: torch
                             images_on_device=on_device)
     # per-sample PIL transforms; uint8 batches are normalized (and randomly erased) on the device
     uint8 = cfg.uint8_batches
-    tf = pil_transform(cfg, data, training, uint8)
+    tf = pil_transform(cfg, data, augmented, uint8)
     erase = None
-    if uint8 and training and cfg.reprob:
+    if uint8 and augmented and cfg.reprob:
         from timm.data.random_erasing import RandomErasing
         erase = RandomErasing(cfg.reprob, mode=cfg.remode, max_count=cfg.recount, device=str(device))
     normalize = (data.mean, data.std) if uint8 else None
