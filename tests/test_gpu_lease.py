@@ -54,6 +54,7 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
         second.stdout + (tmp_path / 'runs/gpu-t1.log').read_text()[-3000:]
     log = (tmp_path / 'runs/lease.log').read_text()
     assert 'table1 exit 0' in log
+    assert 'mps: not available (no nvidia-cuda-mps-control)' in log  # tried before Table 1; none on a CPU
     # the ablations ran in Table 1's pool (no process for a finished run), each printed its own table
     t1_log = (tmp_path / 'runs/gpu-t1.log').read_text()
     for name, run in (('torchinit', 'cifar10/ninformer_vit_patch4_32'), ('seed1', 'cifar10/ninformer_baseline_vit_'
@@ -188,7 +189,7 @@ def test_a_late_machine_skips_table1_for_the_speed_sweep(tmp_path):
     assert 'lease job: done' in out.stdout and 'Table 1: 0 of 8 runs finished' in out.stdout, out.stdout + out.stderr
     log = (tmp_path / 'runs/lease.log').read_text()
     assert 'table1 skipped: T1_TIME_LIMIT 200 s < T1_MIN 600 s' in log and 'sweep exit 0' in log, log
-    assert 'table1 exit' not in log
+    assert 'table1 exit' not in log and 'mps:' not in log  # nothing to share the GPU between
     assert not list((tmp_path / 'runs').glob('gpu-t1*/*/*/config.yaml'))  # nothing trained
 
 
