@@ -33,7 +33,10 @@ def test_gelu_rational_matches_gelu_within_bound():
     scale = x.abs().clamp(min=1.0)
     ours = ((gelu_rational(x.float()).double() - ref).abs() / scale).max().item()
     torchs = ((F.gelu(x.float()).double() - ref).abs() / scale).max().item()
-    assert ours <= ERROR_BOUND and torchs <= ERROR_BOUND  # the same order as torch's float32 GELU
+    assert ours <= ERROR_BOUND
+    # the same order as torch's own float32 GELU, whose error depends on the CPU's kernels: 2.0e-7 with AVX2,
+    # 3.5e-7 with AVX-512 (a CI machine, 2026-11-25)
+    assert ours <= 2 * torchs
     assert ours > 1e-8  # an approximation, not F.gelu itself
     y = torch.randn(4, 7, 33)
     torch.testing.assert_close(RationalGELU()(y), gelu_rational(y), rtol=0, atol=0)
