@@ -279,38 +279,48 @@ def _validate(cfg: TrainConfig) -> None:
             raise ConfigError(f'auto_augment={cfg.auto_augment!r}: expected {problem}')
 
 
+def _options_the_optimizer_cannot_take(opt: str, eps, betas):
+    """(keys, info): ``opt_eps`` if timm optimizer ``opt`` has no epsilon, ``opt_betas`` if it has no betas or
+    another number of them (timm's factory drops such options silently; Adan fails at its first step), and timm's
+    ``OptimInfo`` of ``opt``. Raises ValueError for an unknown optimizer."""
+    from timm.optim import get_optimizer_info
+    info = get_optimizer_info(str(opt).lower())
+    keys = []
+    if eps is not None and not info.has_eps:
+        keys.append('opt_eps')
+    miscounted = isinstance(betas, (list, tuple)) and len(betas) != info.num_betas  # (a wrong type: the schema's)
+    if betas is not None and (not info.has_betas or miscounted):
+        keys.append('opt_betas')
+    return keys, info
+
+
 def _reset_options_of_a_replaced_optimizer(values: Dict[str, Any], layer_of: Mapping[str, int]) -> None:
     """Drop the ``opt_eps`` / ``opt_betas`` set in a layer before the one that chose ``opt``, where that optimizer
-    has no epsilon, no betas or another number of betas (they were given for the earlier layer's optimizer)."""
-    stale = [k for k in ('opt_eps', 'opt_betas') if values.get(k) is not None and layer_of[k] < layer_of.get('opt', -1)]
+    cannot take them (they were given for the earlier layer's optimizer)."""
+    stale = {k: values[k] for k in ('opt_eps', 'opt_betas')
+             if values.get(k) is not None and layer_of[k] < layer_of.get('opt', -1)}
     if not stale:
         return
-    from timm.optim import get_optimizer_info
     try:
-        info = get_optimizer_info(str(values['opt']).lower())
+        keys, _ = _options_the_optimizer_cannot_take(values['opt'], stale.get('opt_eps'), stale.get('opt_betas'))
     except ValueError:  # an unknown optimizer: the schema's check of opt names it
         return
-    if 'opt_eps' in stale and not info.has_eps:
-        values['opt_eps'] = None
-    betas = values.get('opt_betas')
-    miscounted = isinstance(betas, (list, tuple)) and len(betas) != info.num_betas
-    if 'opt_betas' in stale and (not info.has_betas or miscounted):
-        values['opt_betas'] = None
+    for key in keys:
+        values[key] = None
 
 
 def _check_optimizer_options(cfg: TrainConfig) -> None:
     """``opt_eps`` / ``opt_betas`` only where ``cfg.opt`` takes them: timm's factory drops them silently otherwise."""
     if cfg.opt_eps is None and cfg.opt_betas is None:
         return
-    from timm.optim import get_optimizer_info
-    info = get_optimizer_info(cfg.opt.lower())
-    if cfg.opt_eps is not None and not info.has_eps:
+    keys, info = _options_the_optimizer_cannot_take(cfg.opt, cfg.opt_eps, cfg.opt_betas)
+    if 'opt_eps' in keys:
         raise ConfigError(f'opt_eps={cfg.opt_eps:g}: opt={cfg.opt} has no epsilon (timm would drop it silently); '
                           f'drop opt_eps (opt_eps=null), or pick an optimizer that has one (adamw, lamb, ...)')
-    if cfg.opt_betas is not None and not info.has_betas:
+    if 'opt_betas' in keys and not info.has_betas:
         raise ConfigError(f'opt_betas={cfg.opt_betas}: opt={cfg.opt} has no betas (timm would drop them silently); '
                           f'drop opt_betas (opt_betas=null), or pick an optimizer that has them (adamw, lamb, ...)')
-    if cfg.opt_betas is not None and len(cfg.opt_betas) != info.num_betas:
+    if 'opt_betas' in keys:
         raise ConfigError(f'opt_betas={cfg.opt_betas}: opt={cfg.opt} takes {info.num_betas} betas; give '
                           f'{info.num_betas} values')
 
