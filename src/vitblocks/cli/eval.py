@@ -203,20 +203,6 @@ def _open_split(cfg, split: str, explicit: bool, classes):
     return ds
 
 
-class _Pass:
-    """Pass ``k`` of an augmented loader (its epoch ``k``: the k-th set of random draws) as the one pass
-    ``evaluate`` reads (``epoch(0)``)."""
-
-    def __init__(self, loader, k: int):
-        self.loader, self.k, self.order = loader, k, getattr(loader, 'order', None)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def epoch(self, epoch: int, start: int = 0):
-        return self.loader.epoch(self.k, start)
-
-
 def _augmented_passes(args, cfg, data, model, device, dist):
     """``args.train_augment`` evaluations of ``data.val`` through the run's training transform (PIL's where the
     run needs it: RandAugment, color jitter, RandomResizedCrop)."""
@@ -226,7 +212,7 @@ def _augmented_passes(args, cfg, data, model, device, dist):
     passes = []
     for k in range(args.train_augment):
         torch.manual_seed(k)  # erasing draws from the global generator
-        passes.append(evaluate(model, _Pass(loader, k), data.val.num_classes, device,
+        passes.append(evaluate(model, loader, data.val.num_classes, device, epoch=k,  # pass k: epoch k's draws
                                progress=args.progress if dist.is_main else 'none'))
     return passes
 

@@ -40,8 +40,9 @@ class EvalResult:
 @torch.inference_mode()
 def evaluate(model: nn.Module, loader, num_classes: int, device: torch.device, autocast=None,
              class_subset: Optional[Sequence[int]] = None, progress: str = 'none',
-             stop: Optional[Callable[[], bool]] = None) -> Optional[EvalResult]:
-    """Evaluate ``model`` on one pass of ``loader`` (``loader.epoch(0)`` yields (images, labels)).
+             stop: Optional[Callable[[], bool]] = None, epoch: int = 0) -> Optional[EvalResult]:
+    """Evaluate ``model`` on one pass of ``loader`` (``loader.epoch(epoch)`` yields (images, labels); a loader
+    with random augmentation draws other ones in each epoch).
 
     ``progress``: 'auto', 'bar', 'log' or 'none' (``vitblocks.ticker.Ticker``, counted in images).
 
@@ -64,9 +65,9 @@ def evaluate(model: nn.Module, loader, num_classes: int, device: torch.device, a
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     order = getattr(loader, 'order', None)  # this rank's images, when the loader says
-    ticker = Ticker(len(order.indices(0)) if order is not None else None, 'img', 'evaluating', progress)
+    ticker = Ticker(len(order.indices(epoch)) if order is not None else None, 'img', 'evaluating', progress)
     asked = order.batches_on_every_rank if order is not None else float('inf')  # batches `stop` is asked after
-    for i, (x, y) in enumerate(loader.epoch(0)):
+    for i, (x, y) in enumerate(loader.epoch(epoch)):
         with autocast or nullcontext():
             logits = model(x)
         logits = logits.float()
