@@ -8,7 +8,6 @@ import torch
 from timm.utils import reparameterize_model
 
 from ..data import DataError, build_dataset, eval_split_of
-from ..data.transforms import PIL_ONLY_AUGMENTS
 from ..deploy.io import (DeployedCheckpointError, is_deployed_file, load_deployed, read_deployed_metadata,
                          recorded_preprocessing)
 from ..experiments import CheckpointError, ConfigError, evaluate, load_model_weights, merge, parse_overrides
@@ -16,7 +15,8 @@ from ..experiments.checkpoint import FORMAT, read_checkpoint
 from ..experiments.distributed import init_distributed
 from ..experiments.robustness import ROBUSTNESS_SETS, mean_corruption_error, robustness_sets
 from ..experiments.runlog import write_json
-from ..experiments.setup import DataSetup, create_model, make_loader, model_input_size, norm_stats, resolve_device
+from ..experiments.setup import (DataSetup, auto_pipeline, create_model, make_loader, model_input_size, norm_stats,
+                                 resolve_device)
 from ..profile import count_macs, count_params, fixed_image_size
 from .common import CliError, check_writable_file, positive_int, refuse_disagreeing_flags, render_table, resolve
 
@@ -206,8 +206,7 @@ def _open_split(cfg, split: str, explicit: bool, classes):
 def _augmented_passes(args, cfg, data, model, device, dist):
     """``args.train_augment`` evaluations of ``data.val`` through the run's training transform (PIL's where the
     run needs it: RandAugment, color jitter, RandomResizedCrop)."""
-    if any(getattr(cfg, k) for k in PIL_ONLY_AUGMENTS) and data.pipeline == 'tensor':
-        data = dataclasses.replace(data, pipeline='pil')
+    data = dataclasses.replace(data, pipeline=auto_pipeline(cfg, data.val.images is not None))
     loader = make_loader(cfg, data, False, device, dist.rank, dist.world_size, augment=True)
     passes = []
     for k in range(args.train_augment):

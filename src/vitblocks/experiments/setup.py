@@ -203,6 +203,12 @@ def open_train_split(cfg: TrainConfig) -> ImageDataset:
                            num_classes=cfg.num_classes)
 
 
+def auto_pipeline(cfg: TrainConfig, decoded: bool) -> str:
+    """``pipeline=auto``'s choice for ``cfg``'s training transform: 'tensor' for a split decoded in memory, unless an
+    augmentation only the PIL pipeline has (RandAugment, color jitter, RandomResizedCrop) is on; else 'pil'."""
+    return 'tensor' if decoded and not any(getattr(cfg, k) for k in PIL_ONLY_AUGMENTS) else 'pil'
+
+
 def setup_data(cfg: TrainConfig, model: nn.Module, num_classes: Optional[int] = None) -> DataSetup:
     train = open_train_split(cfg)
     val_split = cfg.val_split or eval_split_of(cfg.data)
@@ -234,7 +240,7 @@ def setup_data(cfg: TrainConfig, model: nn.Module, num_classes: Optional[int] = 
     pil_only = [k for k in PIL_ONLY_AUGMENTS if getattr(cfg, k)]
     pipeline = cfg.pipeline
     if pipeline == 'auto':
-        pipeline = 'tensor' if train.images is not None and not pil_only else 'pil'
+        pipeline = auto_pipeline(cfg, train.images is not None)
     if pipeline == 'tensor':
         if train.images is None:
             raise ConfigError(f'pipeline=tensor needs a dataset decoded in memory; {cfg.data} is read image by image '
