@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from . import analyze, bench, compare, convert, export, list_models, plot, profile_model, reproduce, train
 from . import eval as eval_cmd  # module is eval.py; keeps the builtin unshadowed
+from ..experiments.distributed import shutdown
 from .common import ArgumentParser, CliError
 
 __all__ = ['main', 'build_parser']
@@ -84,3 +85,5 @@ def main(argv: Optional[List[str]] = None) -> int:
         except OSError:
             pass
         return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
+    finally:
+        shutdown()  # a torchrun process's group, before the interpreter tears down gloo's threads (distributed.py)

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..data import DataError
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
+from .distributed import shutdown
 from .engine import LostProcess, TrainingDiverged, default_run_name, train
 from .interrupt import TrainingInterrupted
 
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
     except TrainingInterrupted as e:
         print(f'stopped by {e}', file=sys.stderr)
         return 130
+    finally:
+        shutdown()  # the process group, before the interpreter tears down gloo's threads (distributed.py)
     if result.final is not None:
         print(f'{result.run_dir}: top-1 {result.final.top1:.2f}% after {result.global_step} steps')
     return 0

@@ -209,5 +209,8 @@ def sync_batchnorm_stats(model: torch.nn.Module, mode: str) -> None:
 
 
 def shutdown() -> None:
+    """Destroy the process group, if any. The entry points call it before exiting: a process that leaves its gloo
+    group to the interpreter's teardown can abort there (SIGABRT, "terminate called without an active exception",
+    seen once in CI after a finished two-process run; pytorch PR 179291 describes the cause)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
