@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything still owed to a GPU, in priority order, as ONE background job on the GPU machine:
-#   0. beside the rest, the suite's CUDA-only tests (CUDA_TESTS)                  -> runs/gpu-t1-cudatests.txt
+#   0. beside the rest, the suite's CUDA cases (CUDA_TESTS; about 30 tests, minutes) -> runs/gpu-t1-cudatests.txt
 #   1. issue 10, NiNformer Table 1: 8 runs at once (100 epochs, `ninformer` recipe, fp32 with TF32
 #      matmuls, compiled with CUDA graphs; under CUDA MPS where it starts, T1_MPS), as many as fit in
 #      T1_TIME_LIMIT                                                             -> runs/gpu-t1
@@ -54,7 +54,9 @@ t1_min=${T1_MIN:-600}
 t1_seed=${T1_SEED-docs/results/ninformer_table1_h100}
 vit_seeds=${VIT_SEEDS-1 2}                             # more seeds of the CIFAR-10 ViT row (empty: none)
 recheck_min=${RECHECK_MIN:-300}
-cuda_tests=${CUDA_TESTS:-"tests/test_scale.py -k cuda_vote"}
+# the CUDA cases of the suite: the DDP stop vote, and every block deployed, under bf16, trained, compiled and
+# benchmarked on the GPU (tests/test_on_device.py); their CPU cases are deselected
+cuda_tests=${CUDA_TESTS:-"tests/test_scale.py tests/test_on_device.py -k cuda"}
 sweep_flags=${SWEEP_FLAGS:-"--device cuda"}
 profile_flags=${PROFILE_FLAGS:-"--device cuda"}
 eval_flags=${EVAL_FLAGS:-"--device cuda"}
@@ -101,8 +103,9 @@ mps_stop() {  # before the speed measurements, which each want the GPU to themse
 job() {  # the background job: each step in turn, whatever the one before it left
   t1_end=$(( $(date +%s) + t1_limit ))
   [ "$t1_limit" -ge "$t1_min" ] && mps_start  # before any CUDA client (a late machine trains nothing)
-  # the suite's CUDA-only tests (skipped on a CPU), beside everything else: seconds   -> runs/gpu-t1-cudatests.txt
-  ( $python -m pytest -q -p no:cacheprovider -rs $cuda_tests > runs/gpu-t1-cudatests.txt 2>&1 < /dev/null
+  # the suite's CUDA cases (skipped on a CPU), beside everything else                 -> runs/gpu-t1-cudatests.txt
+  # niced: its compilations give way to Table 1's processes on the CPU
+  ( nice -n 10 $python -m pytest -q -p no:cacheprovider -rs $cuda_tests > runs/gpu-t1-cudatests.txt 2>&1 < /dev/null
     echo "$(date -u +%T) cuda tests exit $?" >> runs/lease.log ) &
   if [ "$t1_limit" -lt "$t1_min" ]; then
     echo "$(date -u +%T) table1 skipped: T1_TIME_LIMIT ${t1_limit} s < T1_MIN ${t1_min} s" >> runs/lease.log

@@ -12,7 +12,8 @@ run, no checkpoints) goes, per group of runs, to the folder the next lease seeds
 A finished run replaces the committed copy (and its unfinished copy); an unfinished one goes to the folder's
 ``_unfinished`` twin, unless a finished copy or an unfinished one further on is committed already. Each folder gets a
 ``table.md``, printed by ``vitblocks reproduce ninformer-table1 --no-train`` over the group's runs with the settings
-that made them (the command is in the file).
+that made them (the command is in the file). It also prints pytest's summary of the suite's CUDA cases the lease ran
+(``runs/gpu-t1-cudatests.txt``).
 
 Usage, in the repository root (it unpacks into ./runs and reads ./docs/results; ``.gpu_data`` must hold mnist/
 and cifar10/ as on the lease, e.g. ``ln -s /work/shared/data .gpu_data``, since a run's config names its data folder):
@@ -143,6 +144,15 @@ def augmented_table(group_dir: Path) -> str:
             + '\n'.join(rows) + '\n')
 
 
+def cuda_tests_line(report: Path) -> str:
+    """One line on the suite's CUDA cases the lease ran (pytest's summary, the report's last line)."""
+    if not report.is_file():
+        return 'CUDA tests: no report in the archive (the job ended before they did)'
+    lines = report.read_text(errors='replace').strip().splitlines()
+    summary = lines[-1].strip('= ') if lines else 'an empty report'
+    return f'CUDA tests: {summary} (runs/{report.name})'
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('archive', type=Path, help="a lease's results.tgz")
@@ -163,6 +173,7 @@ def main(argv=None) -> int:
             shutil.copytree(group, runs_here / group.name)
         for extra in unpacked.glob('gpu-t1*.txt'):
             shutil.copy2(extra, runs_here / extra.name)
+    print(cuda_tests_line(runs_here / 'gpu-t1-cudatests.txt'))
     env_file = runs_here / 'gpu-t1-env.txt'  # the lease machine's GPU, driver, torch and timm
     env = '; '.join(env_file.read_text().split('\n')).strip('; ') if env_file.is_file() else ''
     for group in groups:

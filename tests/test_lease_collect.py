@@ -48,6 +48,7 @@ def test_a_lease_archive_lands_where_the_next_lease_seeds_from(tmp_path):
         {'results': {'cifar10 [test]': {'top1': 64.07}}, 'train_augment': {'passes': passes, 'top1_mean': 62.0,
                                                                               'top1_std': 0.5}}))
     (lease / 'runs/gpu-t1-env.txt').write_text('NVIDIA H100 80GB HBM3, 580.159.04\ntorch 2.11.0 timm 1.0.29\n')
+    (lease / 'runs/gpu-t1-cudatests.txt').write_text('..s.\n===== 31 passed, 1 skipped, 59 deselected in 95.1s =====\n')
     with tarfile.open(tmp_path / 'results.tgz', 'w:gz') as tar:
         tar.add(lease / 'runs', arcname='runs')
 
@@ -62,6 +63,7 @@ def test_a_lease_archive_lands_where_the_next_lease_seeds_from(tmp_path):
 
     out = _collect(repo, str(tmp_path / 'results.tgz'))
     assert out.returncode == 0, out.stderr
+    assert 'CUDA tests: 31 passed, 1 skipped, 59 deselected in 95.1s (runs/gpu-t1-cudatests.txt)' in out.stdout
     assert f'{VIT}: finished, committed already' in out.stdout
     assert f'{NIN_CIFAR}: unfinished at epoch 77 -> docs/results/ninformer_table1_h100_unfinished/{NIN_CIFAR}' \
         in out.stdout
