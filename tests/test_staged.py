@@ -167,3 +167,24 @@ def test_group_matcher_coarse_is_one_group_per_stage(name):
     assert any(n.startswith('norm.') for n in last_stage) or not any(  # it joins the last stage
         n.startswith('norm.') for g in groups for n in g)
     assert any(n.startswith('head') for n in groups[-1])
+
+
+@pytest.mark.parametrize('name, conv', [('lvt', 'fan_out'), ('pyramid_visionllama_s', 'fan_out'), ('edgevit_xxs', None),
+                                        ('cyclemlp_b1', None), ('hiremlp_tiny', 'trunc_normal')])
+def test_each_family_starts_from_its_authors_init(name, conv):
+    """Linears trunc-normal (std 0.02) with zero biases; convs as each family's authors (models/staged.py)."""
+    from vitblocks.models.staged import authors_init
+    assert type(_build(name))._init_weights.keywords == {'conv': conv}
+    torch.manual_seed(0)
+    linear, dw = torch.nn.Linear(256, 512), torch.nn.Conv2d(64, 64, 7, groups=64)
+    torch.nn.init.ones_(dw.bias)
+    default_std = dw.weight.std().item()  # torch's: kaiming-uniform, std 1 / sqrt(3 * 49) = 0.082
+    for m in (linear, dw):
+        authors_init(m, conv)
+    assert linear.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert not linear.bias.any()
+    want_std = {None: default_std, 'fan_out': (2 / 49) ** 0.5, 'trunc_normal': 0.02}[conv]  # fan_out: 7*7*64 / 64
+    assert dw.weight.std().item() == pytest.approx(want_std, rel=0.05)
+    assert dw.bias.eq(0 if conv else 1).all()  # torch's conv init leaves our ones alone
+    with pytest.raises(ValueError, match="conv='xavier': expected one of"):
+        authors_init(linear, 'xavier')

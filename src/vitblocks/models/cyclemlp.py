@@ -27,6 +27,7 @@ B1 would be 1.81 G, so the published 2.1 G counts them too.
 
 ``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (input ``(B, H, W, C)``, like GC ViT and LVT).
 """
+from functools import partial
 from typing import List, Optional
 
 import torch
@@ -36,7 +37,7 @@ from timm.layers import ClassifierHead, DropPath, Mlp, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from .staged import StagedBackbone, create_staged
+from .staged import StagedBackbone, authors_init, create_staged
 
 __all__ = ['CycleMLPNet', 'CycleFC', 'CycleMixer', 'split_attention', 'StagedMlpNet']
 
@@ -217,13 +218,8 @@ class CycleMLPNet(StagedMlpNet):
         self.head_hidden_size = self.head.num_features  # the pooled width ('avgmax' doubles it)
         self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        """The authors' init: truncated-normal linears with zero bias (convs keep torch's default)."""
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+    # the authors': trunc-normal linears, torch's convs
+    _init_weights = staticmethod(partial(authors_init, conv=None))
 
 
 def _cfg(crop_pct: float) -> dict:

@@ -45,11 +45,11 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClassifierHead, DropPath, LayerNorm2d, Mlp, trunc_normal_
+from timm.layers import ClassifierHead, DropPath, LayerNorm2d, Mlp
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from .staged import StagedBackbone, create_staged
+from .staged import StagedBackbone, authors_init, create_staged
 
 __all__ = ['EdgeViT', 'LocalAggregation', 'SparseGlobalAttention', 'SparseGlobalBlock', 'LGLBlock']
 
@@ -206,13 +206,8 @@ class EdgeViT(StagedBackbone):
         self.head_hidden_size = self.head.num_features  # the pooled width ('catavgmax' doubles it)
         self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        """The authors' init: truncated-normal linears with zero bias (convs and norms keep torch's)."""
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+    # the authors': trunc-normal linears, torch's convs
+    _init_weights = staticmethod(partial(authors_init, conv=None))
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:

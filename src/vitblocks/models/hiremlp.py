@@ -35,17 +35,18 @@ counted there.
 
 ``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (input channels-first ``(B, C, H, W)``, like PoolFormer).
 """
+from functools import partial
 from typing import List
 
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClassifierHead, ConvNormAct, DropPath, Mlp, trunc_normal_
+from timm.layers import ClassifierHead, ConvNormAct, DropPath, Mlp
 from timm.models import generate_default_cfgs, register_model, register_notrace_module
 from torch import nn
 
 from .cyclemlp import StagedMlpNet, split_attention
-from .staged import create_staged
+from .staged import authors_init, create_staged
 
 __all__ = ['HireMLPNet', 'HireMixer', 'RegionRearrangedMLP']
 
@@ -180,13 +181,8 @@ class HireMLPNet(StagedMlpNet):
         self.head_hidden_size = self.head.num_features
         self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        """The authors' init: truncated-normal linears and convs (std 0.02), zero biases."""
-        if isinstance(m, (nn.Linear, nn.Conv2d)):
-            trunc_normal_(m.weight, std=.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+    # the authors': trunc-normal linears and convs
+    _init_weights = staticmethod(partial(authors_init, conv='trunc_normal'))
 
 
 default_cfgs = generate_default_cfgs({  # read by timm's register_model; the authors' config (crop 0.9)

@@ -28,7 +28,7 @@ depthwise conv of LVT's own MLP goes with it.
 | --- | ---: | ---: |
 | ``lvt`` (recursions=2) | 5.52 M | 0.92; 0.84 counted as the papers (see ``papers/iffn.yaml``) |
 """
-import math
+from functools import partial
 from typing import Any, Dict, Optional, Sequence, Set
 
 import torch
@@ -39,7 +39,7 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models.volo import ClassBlock
 from torch import nn
 
-from .staged import ChannelsLastStage, StagedBackbone, create_staged
+from .staged import ChannelsLastStage, StagedBackbone, authors_init, create_staged
 from .weight_decay import expose_no_weight_decay
 
 __all__ = ['LVT', 'ConvSelfAttention', 'RecursiveAtrousSelfAttention', 'LVTMlp']
@@ -242,18 +242,8 @@ class LVT(StagedBackbone):
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=.02)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        """The authors' init: truncated-normal linears, fan-out normal convs."""
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Conv2d):
-            fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
-            nn.init.normal_(m.weight, 0, math.sqrt(2. / fan_out))
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+    # the authors': trunc-normal linears, fan-out normal convs
+    _init_weights = staticmethod(partial(authors_init, conv='fan_out'))
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:

@@ -10,14 +10,36 @@ only the hooks where it differs.
 
 timm has no such base class (each timm model writes these methods itself), so it is written here once.
 """
+import math
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+from timm.layers import trunc_normal_
 from timm.models import build_model_with_cfg, checkpoint, checkpoint_seq
 from timm.models._features import feature_take_indices
 from torch import nn
 
-__all__ = ['StagedBackbone', 'ChannelsLastStage', 'create_staged']
+__all__ = ['StagedBackbone', 'ChannelsLastStage', 'create_staged', 'authors_init']
+
+CONV_INITS = (None, 'fan_out', 'trunc_normal')
+
+
+def authors_init(m: nn.Module, conv: Optional[str] = None) -> None:
+    """The initialization the staged backbones' authors give a layer (``model.apply``): truncated-normal linears
+    (std 0.02) with zero biases; 2-D convs keep torch's init (``conv=None``: EdgeViT, CycleMLP), or get a normal
+    of std sqrt(2 / fan_out) (``'fan_out'``: LVT, Pyramid VisionLLaMA) or the linears' init (``'trunc_normal'``:
+    Hire-MLP), with zero biases. Norms keep theirs."""
+    if conv not in CONV_INITS:
+        raise ValueError(f'conv={conv!r}: expected one of {CONV_INITS}')
+    if isinstance(m, nn.Linear) or (conv == 'trunc_normal' and isinstance(m, nn.Conv2d)):
+        trunc_normal_(m.weight, std=.02)
+    elif conv == 'fan_out' and isinstance(m, nn.Conv2d):
+        fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
+        nn.init.normal_(m.weight, 0, math.sqrt(2. / fan_out))
+    else:
+        return
+    if m.bias is not None:
+        nn.init.zeros_(m.bias)
 
 
 class StagedBackbone(nn.Module):

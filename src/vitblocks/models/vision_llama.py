@@ -40,17 +40,18 @@ grid's width ``W`` instead of the reduced grid's (stage 1 puts all 49 keys on on
 them by ``1 - 1/r`` (the cell center only for r = 2); we use the reduced grid and the cell centers,
 as the paper describes the keys as summaries of their sub-windows. Parameters and MACs do not change.
 """
+from functools import partial
 from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, LayerScale, SwiGLU, trunc_normal_
+from timm.layers import DropPath, LayerScale, SwiGLU
 from timm.layers.pos_embed_sincos import apply_rot_embed
 from timm.models import generate_default_cfgs, register_model, register_notrace_function
 from torch import nn
 
-from .staged import ChannelsLastStage, StagedBackbone, create_staged
+from .staged import ChannelsLastStage, StagedBackbone, authors_init, create_staged
 
 __all__ = ['PyramidVisionLLaMA', 'LocallyGroupedRoPEAttention', 'GlobalSubsampledRoPEAttention', 'rope_2d']
 
@@ -214,18 +215,8 @@ class PyramidVisionLLaMA(StagedBackbone):
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        """The authors' init: truncated-normal linears, fan-out normal convs (norms and layer scale keep theirs)."""
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Conv2d):
-            fan_out = m.kernel_size[0] * m.kernel_size[1] * m.out_channels // m.groups
-            nn.init.normal_(m.weight, 0, (2. / fan_out) ** 0.5)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+    # the authors': trunc-normal linears, fan-out normal convs
+    _init_weights = staticmethod(partial(authors_init, conv='fan_out'))
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
