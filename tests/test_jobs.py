@@ -5,18 +5,23 @@ like a training run, share one "device" (each step takes ``step_s`` times the nu
 going, as runs sharing a GPU do), save a checkpoint and exit 130 on SIGINT, and resume from it.
 """
 import json
+import subprocess
 import sys
 import textwrap
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import yaml
 
 from vitblocks.cli import main
 from vitblocks.experiments.checkpoint import load_checkpoint
-from vitblocks.experiments.reproduce import ninformer_own_models
 from vitblocks.experiments.jobs import (Job, remaining_seconds, run_jobs, run_to_pause, shared_finish,
                                        time_limit_window)
+from vitblocks.experiments.reproduce import ninformer_own_models
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FAKE_RUN = textwrap.dedent('''
     import os, signal, sys, time
@@ -124,6 +129,27 @@ def test_a_run_paused_while_it_starts_is_paused_not_failed(tmp_path):
     report = run_jobs([job], parallel=1, threads=1, time_limit=0.5, window=0.1, poll=0.05, echo=lines.append)
     assert report.paused == [job] and not report.failed, lines
     assert 'paused slow (stopped while starting, before its first step)' in lines
+
+
+def test_a_pool_started_in_the_background_of_a_script_still_pauses_a_starting_run(tmp_path):
+    """bash starts a script's ``cmd &`` with SIGINT ignored, and a run would inherit that: paused before it sets
+    its own handler, it would go on until killed after the limit's grace. The pool gives its runs SIGINT back."""
+    starting = tmp_path / 'starting.py'
+    starting.write_text('import time\ntime.sleep(60)\n')
+    pool = (f'import sys; sys.path.insert(0, {str(ROOT / "src")!r})\n'
+            'from pathlib import Path\n'
+            'from vitblocks.experiments.jobs import Job, run_jobs\n'
+            f'job = Job("slow", [sys.executable, {str(starting)!r}], Path({str(tmp_path / "slow.log")!r}), '
+            f'Path({str(tmp_path / "slow")!r}))\n'
+            'report = run_jobs([job], parallel=1, threads=1, time_limit=0.5, window=0.1, poll=0.05)\n'
+            'print("paused", [j.name for j in report.paused], "failed", [j.name for j in report.failed])\n')
+    (tmp_path / 'pool.py').write_text(pool)
+    t0 = time.monotonic()
+    out = subprocess.run(['bash', '-c', f'{sys.executable} {tmp_path / "pool.py"} & wait'], capture_output=True,
+                         text=True, timeout=120)
+    assert "paused ['slow'] failed []" in out.stdout, out.stdout + out.stderr
+    assert 'stopped while starting, before its first step' in out.stdout
+    assert time.monotonic() - t0 < 30  # not the 60 s the run sleeps
 
 
 def test_time_limit_pauses_the_longest_run_so_that_the_others_finish(fake_jobs):

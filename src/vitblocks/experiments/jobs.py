@@ -15,8 +15,10 @@ machine has would otherwise end with every run 90% done; where the checkpoints c
 machine (a GPU lease, a preemptible node) that is nothing. Pausing the longest runs first
 finishes as many runs as the time allows.
 """
+import contextlib
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +255,26 @@ class _Pool:
             self.resumable.append(_Paused(r.job, projected[name] / len(going), startup))
 
 
+@contextlib.contextmanager
+def _sigint_reaches_the_runs():
+    """While the pool runs, SIGINT is not ignored. A process started by a shell script's ``cmd &`` inherits
+    SIGINT ignored (bash ignores it in background commands without job control; scripts/gpu_lease.sh starts
+    its rechecks so), and so would every run it starts. A run sets its own handler once it starts training,
+    but before that (importing torch, decoding its data) a pause could not stop it: it trained on until
+    killed ``STOP_GRACE`` seconds after the limit. A signal with a handler is reset to its default action in
+    an exec'd child, so Python's own handler here gives each run the default, and this process itself stops
+    its runs on SIGINT (``KeyboardInterrupt``, below) like a foreground pool. Only the main thread can set it."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if not ignored or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_jobs(jobs: List[Job], parallel: int, threads: int, time_limit: Optional[float] = None,
              window: Optional[float] = None, poll: float = 1.0, echo: Callable[[str], None] = print,
              clock: Callable[[], float] = time.monotonic) -> JobsReport:
@@ -261,6 +283,12 @@ def run_jobs(jobs: List[Job], parallel: int, threads: int, time_limit: Optional[
     Returns what did not finish. Interrupted itself, it stops its runs (each keeps its checkpoint)."""
     window = window or (time_limit_window(time_limit) if time_limit else 60.0)
     pool = _Pool(jobs, parallel, threads, time_limit, window, echo, clock)
+    with _sigint_reaches_the_runs():
+        _run_pool(pool, poll)
+    return pool.report
+
+
+def _run_pool(pool: _Pool, poll: float) -> None:
     try:
         while pool.pending or pool.running:
             pool.step()
@@ -275,4 +303,3 @@ def run_jobs(jobs: List[Job], parallel: int, threads: int, time_limit: Optional[
                 r.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 r.proc.kill()
-    return pool.report
