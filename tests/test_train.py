@@ -877,6 +877,41 @@ def test_reproduce_bad_ablations_are_one_line_errors_before_anything_trains(tmp_
     assert code == 2 and '--ablation a: given twice' in err
 
 
+class _PoolSeen(Exception):
+    pass
+
+
+def test_reproduce_ablations_first_start_first_and_are_paused_last(tmp_path, capsys, monkeypatch):
+    """Where an ablation is what a short GPU lease is for, --ablations-first puts it before the table's rows in the
+    pool: started first, and paused only after every Table 1 run (priority 2 against 0 and 1)."""
+    from _train_helpers import write_shards
+    write_shards(tmp_path / 'data' / 'mnist', 'train', n=16, per_shard=16, size=28, channels=1, num_classes=10)
+    pools = []
+
+    def seen(args, children):
+        pools.append([(j.name, j.priority) for j in children])
+        raise _PoolSeen
+
+    monkeypatch.setattr(reproduce_cmd, '_run_children', seen)
+    argv = ['reproduce', 'ninformer-table1', '--datasets', 'mnist', '--models', 'ViT,NiNformer', '--data-root',
+            tmp_path / 'data', '--output', tmp_path / 'out', '--ablation', 'torchinit', 'mnist/NiNformer',
+            'model_kwargs={block_cfg: {init: torch}}']
+    vit, nin = 'mnist/ninformer_baseline_vit_patch4_28', 'mnist/ninformer_vit_patch4_28'
+    for order, expected in ((['--ablations-first'], [(f'torchinit:{nin}', 2), (vit, 0), (nin, 1)]),
+                            ([], [(vit, 0), (nin, 1), (f'torchinit:{nin}', -1)])):
+        with pytest.raises(_PoolSeen):
+            run_cli(capsys, *argv, '--time-limit', 600, *order)
+        assert pools.pop() == expected
+    # where nothing orders a pool, the flag would do nothing: a one-line error, nothing trains
+    for extra, message in ((['--ablations-first'], 'give --jobs N or --time-limit S'),
+                           (['--ablations-first', '--no-train'], '--no-train prints the runs as they are; '
+                                                                 '--ablations-first would train them')):
+        code, out, err = run_cli(capsys, *argv, *extra)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and out == '', err
+    code, out, err = run_cli(capsys, *argv[:argv.index('--ablation')], '--jobs', 2, '--ablations-first')
+    assert code == 2 and 'give --ablation' in err and not pools and not (tmp_path / 'out').exists(), err
+
+
 def test_reproduce_jobs_reports_a_failed_run(tmp_path, capsys):
     from _train_helpers import write_shards
     write_shards(tmp_path / 'mnist', 'train', n=16, per_shard=16, size=28, channels=1, num_classes=10)

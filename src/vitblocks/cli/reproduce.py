@@ -19,7 +19,7 @@ from .common import CliError, positive_float, positive_int, render_table
 
 NAME = 'reproduce'
 TARGETS = ('ninformer-table1', 'cifar10-blocks')
-_NINFORMER_ONLY = ('datasets', 'models', 'dropout', 'no_train', 'ablation')
+_NINFORMER_ONLY = ('datasets', 'models', 'dropout', 'no_train', 'ablation', 'ablations_first')
 _BLOCKS_ONLY = ('configs', 'seeds', 'no_latency', 'latency_batch', 'repeats')
 
 EPILOG = """\
@@ -51,8 +51,8 @@ in its own process logging next to its run folder (small models leave a GPU most
 (checkpoint kept), the one furthest from its end first, and resume when time frees or on a re-run.
 --ablation NAME ROWS KEY=VALUE... trains Table 1 rows again with more config (ROWS: comma-separated
 DATASET/ROW, e.g. cifar10/NiNformer) into <output>-NAME, beside the table's runs and under the same
---time-limit, where they are paused before any of the table's; each prints its own table after the
-main one.
+--time-limit, where they are paused before any of the table's (--ablations-first: after them, and
+started first); each prints its own table after the main one.
 """
 
 
@@ -101,6 +101,9 @@ def add_parser(subparsers) -> None:
                    help='ninformer-table1, repeatable: also train ROWS (comma-separated DATASET/ROW, e.g. '
                         'cifar10/NiNformer) with these config overrides on top of --set, into <output>-NAME; under '
                         '--time-limit they share the pool and are paused before every Table 1 run')
+    p.add_argument('--ablations-first', action='store_true',
+                   help='ninformer-table1, with --ablation and --time-limit or --jobs: the ablations start first and '
+                        'are paused last, after every Table 1 run (where an ablation is what the time is for)')
     p.add_argument('--set', nargs='+', default=[], metavar='KEY=VALUE', dest='overrides',
                    help='extra config overrides for every run, e.g. --set log_interval=10 progress=log')
     p.set_defaults(run=run)
@@ -172,7 +175,8 @@ def _ninformer(args) -> int:
         raise CliError(f'--datasets: unknown {", ".join(unknown)}; Table 1 has {", ".join(NINFORMER_DATASETS)}')
     dropout = 0.5 if args.dropout is None else args.dropout
     if args.no_train:
-        contradicting = _given(args, ('train_only', 'time_limit')) + (['--jobs'] if args.jobs > 1 else [])
+        contradicting = _given(args, ('train_only', 'time_limit', 'ablations_first'))
+        contradicting += ['--jobs'] if args.jobs > 1 else []
         if contradicting:
             raise CliError(f'--no-train prints the runs as they are; {", ".join(contradicting)} would train them')
     t0 = time.perf_counter()
@@ -180,12 +184,20 @@ def _ninformer(args) -> int:
     jobs = ninformer_jobs(datasets, models)  # every --models name must match a row, before anything trains
     own = ninformer_own_models(datasets)  # the paper's own model: the row the table is for, paused last
     ablations = _ablations(args, dropout)
+    if args.ablations_first and not (ablations and (args.jobs > 1 or args.time_limit)):
+        raise CliError('--ablations-first orders the --ablation runs before the table\'s in the pool of --jobs or '
+                       '--time-limit; ' + ('give --ablation' if not ablations else 'give --jobs N or --time-limit S'))
     for ds in dict.fromkeys(datasets + [ds for _, pairs, _ in ablations for ds, _ in pairs]):
         ninformer_data(ds, args.data_root)  # and every dataset must be there
     if args.jobs > 1 or args.time_limit:  # runs in child processes; none for a run finished already
+        # under --time-limit the lowest priority is paused first: the ablations (-1, or 2 with --ablations-first),
+        # then the baselines (0), NiNformer's own rows (1); the pool starts them in list order
+        ablation_priority = 2 if args.ablations_first else -1
         groups = [(args.output, jobs, [], lambda model: int(model in own), '')]
-        groups += [(_ablation_output(args, name), pairs, settings, lambda model: -1, f'{name}:')
+        groups += [(_ablation_output(args, name), pairs, settings, lambda model: ablation_priority, f'{name}:')
                    for name, pairs, settings in ablations]
+        if args.ablations_first:
+            groups = groups[1:] + groups[:1]
         children = [Job(f'{prefix}{ds}/{model}', _ninformer_child(args, ds, model, dropout, output, settings),
                         ninformer_log(output, ds, model), Path(output) / ds / model, priority=priority(model))
                     for output, pairs, settings, priority, prefix in groups for ds, model in pairs
