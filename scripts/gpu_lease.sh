@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Everything still owed to a GPU, in priority order, as ONE background job on the GPU machine:
 #   0. beside the rest, the suite's CUDA cases (CUDA_TESTS; about 30 tests, minutes) -> runs/gpu-t1-cudatests.txt
-#   1. issue 10, NiNformer Table 1: 8 runs at once (100 epochs, `ninformer` recipe, fp32 with TF32
-#      matmuls, compiled with CUDA graphs; under CUDA MPS where it starts, T1_MPS), as many as fit in
-#      T1_TIME_LIMIT                                                             -> runs/gpu-t1
-#      (rows committed finished under T1_SEED are reused, not retrained: no process starts for them), and
-#      in the same pool, paused before any Table 1 row if time runs short (reproduce --ablation), the
-#      CIFAR-10 NiNformer row started from PyTorch's default init, as the authors' script (block_cfg
-#      init=torch)                                                               -> runs/gpu-t1-torchinit
-#      and the CIFAR-10 ViT row with seeds 1 and 2 (VIT_SEEDS), its seed spread   -> runs/gpu-t1-seed{1,2}
+#   1. issue 10, NiNformer Table 1 in waves, the most telling runs first (T1_WAVES; compiled with CUDA graphs, fp32
+#      with TF32 matmuls, under CUDA MPS where it starts, T1_MPS), each wave started only while T1_MIN of
+#      T1_TIME_LIMIT is left and given what is left of it (rows committed finished under T1_SEED are reused,
+#      not retrained: no process starts for them):
+#        a. CIFAR-10's NiNformer row from PyTorch's default init, as the authors' script (block_cfg init=torch),
+#           first, beside the row itself                                         -> runs/gpu-t1-torchinit
+#        b. MNIST's MLP-Mixer and NiNformer rows                                 -> runs/gpu-t1
+#        c. the CIFAR-10 ViT row with seeds 1 and 2 (VIT_SEEDS), its seed spread -> runs/gpu-t1-seed{1,2}
+#        d. whatever else of Table 1 and these ablations is not finished (a fresh start: all of it)
 #      then each row that diverged or missed the paper by more than a point, in full fp32, and each
 #      diverged one also with clip_grad=1.0 (scripts/table1_rechecks.py)  -> runs/gpu-t1-{fp32,clip}
 #      then each run finished on this machine evaluated through its training augmentation, as the
@@ -25,9 +26,11 @@
 #
 # Usage (repo root of the GPU machine; MNIST and CIFAR-10 shards copied to .gpu_data/{mnist,cifar10}
 # and carried):
-#   bash scripts/gpu_lease.sh [SECONDS]     # default 560 (the device tool allows 600 per call)
-# Repeat until it prints "lease job: done"; give the last call a SECONDS that ends it a minute before the
-# session's device time runs out (status: budget_left_s), or what it packed does not come back.
+#   LEASE_SECONDS=<budget_left_s> bash scripts/gpu_lease.sh [SECONDS]   # SECONDS: default 560 (600 a call)
+# LEASE_SECONDS (default 900) is the device time the session has when the job starts (status: budget_left_s); the
+# job gives Table 1 that less 300 s. A 15-minute lease is two calls: 560 s, then at once SECONDS = budget_left_s
+# - 75 (what it packed must come back before the time runs out). A longer one: repeat until "lease job: done",
+# the last call likewise ending a minute before the time runs out.
 # Each call leaves in $OUT (or .): results.tgz (Table 1 and its rechecks: config, metrics, results and log of
 # each run, no checkpoints), gpu15.tgz (the sweep's JSON files and table), profile15.tgz and lease.log.
 # On a fresh machine (a later lease) put the earlier results.tgz
@@ -42,14 +45,21 @@ export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/.inductor
 python=${PYTHON:-python3}
 . scripts/lease_settings.sh                            # T1_SETTINGS
 t1_flags=${T1_FLAGS:-"--device cuda --data-root .gpu_data --threads 2 --set $T1_SETTINGS progress=log log_interval=200"}
-# Table 1 and its rechecks must end inside the lease (their checkpoints cannot leave the machine): the
-# runs that fit in T1_TIME_LIMIT seconds from the job's start finish, those projected to miss it are paused
-# (reproduce --time-limit), and the rechecks run only if RECHECK_MIN seconds are left. 1560 s: a 1800 s lease
-# less the start of the first call, the device tool's transfers and the last call's packing
-t1_limit=${T1_TIME_LIMIT:-1560}
-# below T1_MIN seconds no Table 1 run can finish (the fastest took 850 s on an H100 shared eight ways), so a
-# machine started late in a lease (an earlier one given back) goes straight to issue 15's measurements
-t1_min=${T1_MIN:-600}
+# The device time of the lease (the device tool's status, budget_left_s, at the first call): 15 minutes a task now
+lease_seconds=${LEASE_SECONDS:-900}
+# Table 1 and its rechecks must end inside the lease (their checkpoints cannot leave the machine): the runs that fit
+# in T1_TIME_LIMIT seconds from the job's start finish, those projected to miss it are paused (reproduce
+# --time-limit), and the rechecks run only if RECHECK_MIN seconds are left. The lease less 300 s: the first call's
+# machine start (1-2 min), the transfers, the evaluation of the finished runs and the last call's packing
+t1_limit=${T1_TIME_LIMIT:-$((lease_seconds - 300))}
+# below T1_MIN seconds no Table 1 run can finish (one 100-epoch run alone, compiled: 4-6 min on an H100, by the
+# pace of one run with eight sharing in fp32/TF32 and of one alone in bf16), so no wave starts with less left, and
+# a machine started late in a lease goes straight to issue 15's measurements
+t1_min=${T1_MIN:-400}
+# the waves: 'DATASETS ROWS ABLATIONS [first]' separated by ';' (ROWS or ABLATIONS '-': all rows, none; 'first':
+# --ablations-first). A 15-minute lease fits about two runs, so each wave is a pair worth finishing together
+t1_waves=${T1_WAVES:-"cifar10 NiNformer torchinit first; mnist MlpMixer,NiNformer -; cifar10 ViT seeds first;
+                      mnist,cifar10 - torchinit,seeds"}
 # finished runs committed from earlier leases, reused instead of retrained (empty: none)
 t1_seed=${T1_SEED-docs/results/ninformer_table1_h100}
 vit_seeds=${VIT_SEEDS-1 2}                             # more seeds of the CIFAR-10 ViT row (empty: none)
@@ -100,6 +110,20 @@ mps_stop() {  # before the speed measurements, which each want the GPU to themse
   fi
 }
 
+check_waves() {  # T1_WAVES, read before any job starts: a wrong one is the call's error, not a lost lease
+  local wave
+  IFS=';' read -ra waves <<< "$(echo $t1_waves)"
+  for wave in "${waves[@]}"; do
+    set -- $wave
+    if [ $# -lt 3 ] || [ $# -gt 4 ] || { [ $# = 4 ] && [ "$4" != first ]; } || \
+       ! [[ ",$3," =~ ^(,(torchinit|seeds))+,$ || "$3" = - ]]; then
+      echo "T1_WAVES: '$wave' is not 'DATASETS ROWS ABLATIONS [first]' (ROWS: comma-separated rows or -;" \
+        "ABLATIONS: torchinit and/or seeds, comma-separated, or -)" >&2
+      return 2
+    fi
+  done
+}
+
 job() {  # the background job: each step in turn, whatever the one before it left
   t1_end=$(( $(date +%s) + t1_limit ))
   [ "$t1_limit" -ge "$t1_min" ] && mps_start  # before any CUDA client (a late machine trains nothing)
@@ -111,17 +135,36 @@ job() {  # the background job: each step in turn, whatever the one before it lef
     echo "$(date -u +%T) table1 skipped: T1_TIME_LIMIT ${t1_limit} s < T1_MIN ${t1_min} s" >> runs/lease.log
     : > runs/gpu-t1-rechecks.txt
   else
-    # the init ablation: NiNformer's CIFAR-10 row, which plateaus near 75% (paper 81.59) with timm's init
-    ablations=(--ablation torchinit cifar10/NiNformer "model_kwargs={block_cfg: {init: torch}}")
-    # the seed spread of the CIFAR-10 ViT row (seed 0: 64.07 at epoch 100, 61.23-64.95 over its last 20
-    # epochs; paper 65.74): the same run with seeds 1 and 2
-    for seed in $vit_seeds; do ablations+=(--ablation "seed$seed" cifar10/ViT "seed=$seed"); done
-    # one pool: the Table 1 rows still owed and the ablations share the GPU, and under the time limit the
-    # ablations are paused first, then the baselines, NiNformer's own rows last
-    $python -m vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --jobs 8 --output runs/gpu-t1 \
-      --time-limit "$t1_limit" $t1_flags "${ablations[@]}" >> runs/gpu-t1.log 2>&1
-    rc=$?  # (a command substitution in the echo below would reset $?)
-    echo "$(date -u +%T) table1 exit $rc" >> runs/lease.log
+    worst=0
+    IFS=';' read -ra waves <<< "$(echo $t1_waves)"
+    for i in "${!waves[@]}"; do
+      set -- ${waves[$i]}
+      left=$(( t1_end - $(date +%s) ))
+      if [ "$left" -lt "$t1_min" ]; then
+        echo "$(date -u +%T) table1 wave $((i + 1)) ($*) not started: ${left} s left < T1_MIN ${t1_min} s" >> runs/lease.log
+        continue
+      fi
+      ablations=()
+      for name in ${3//,/ }; do
+        case $name in
+          # the init ablation: NiNformer's CIFAR-10 row, which plateaus near 75% (paper 81.59) with timm's init
+          torchinit) ablations+=(--ablation torchinit cifar10/NiNformer "model_kwargs={block_cfg: {init: torch}}") ;;
+          # the seed spread of the CIFAR-10 ViT row (seed 0: 64.07 at epoch 100, 61.23-64.95 over its last 20
+          # epochs; paper 65.74): the same run with seeds 1 and 2
+          seeds) for seed in $vit_seeds; do ablations+=(--ablation "seed$seed" cifar10/ViT "seed=$seed"); done ;;
+        esac
+      done
+      rows=(); [ "$2" != - ] && rows=(--models "$2")
+      first=(); [ "${4:-}" = first ] && [ ${#ablations[@]} -gt 0 ] && first=(--ablations-first)
+      # one pool: the wave's rows still owed and its ablations share the GPU; under the time limit the ablations
+      # are paused first (last with 'first'), then the baselines, NiNformer's own rows last
+      $python -m vitblocks reproduce ninformer-table1 --datasets "$1" "${rows[@]}" --jobs 8 --output runs/gpu-t1 \
+        --time-limit "$left" $t1_flags "${ablations[@]}" "${first[@]}" >> runs/gpu-t1.log 2>&1
+      rc=$?  # (a command substitution in the echo below would reset $?)
+      echo "$(date -u +%T) table1 wave $((i + 1)) ($*) exit $rc" >> runs/lease.log
+      [ "$rc" -gt "$worst" ] && worst=$rc
+    done
+    echo "$(date -u +%T) table1 exit $worst" >> runs/lease.log
     $python scripts/table1_rechecks.py runs/gpu-t1 > runs/gpu-t1-rechecks.txt 2>> runs/lease.log
   fi
   # 1b. each row that diverged or ended more than a point below the paper, again in full fp32 (TF32 off),
@@ -183,6 +226,7 @@ if [ "${1:-}" = "--job" ]; then job; exit 0; fi
 if [ "${1:-}" = "--mps-only" ]; then mkdir -p runs; mps_start; mps_stop; exit 0; fi  # (tests)
 
 budget=${1:-560}
+check_waves || exit 2
 mkdir -p runs
 if [ ! -e runs/.lease_unpacked ]; then  # once per machine: an earlier lease's results, else the committed ones
   if [ -f .gpu_state/results.tgz ]; then

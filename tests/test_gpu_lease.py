@@ -7,6 +7,8 @@ training processes and the sweep's models on two CPU cores.
 """
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -18,6 +20,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'tests'))
+
+
+@pytest.fixture(autouse=True)
+def _no_lease_job_outlives_its_test(tmp_path):
+    """The job leads its own process session, so a failed test would leave it and its training processes running
+    (a second dry run beside it doubled the memory in use): its process group is killed after each test."""
+    yield
+    try:
+        os.killpg(int((tmp_path / 'runs/lease.pid').read_text()), signal.SIGKILL)
+    except (OSError, ValueError):  # no job, or it ended already
+        pass
 
 
 @pytest.mark.slow
@@ -37,7 +50,7 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
                           '--repeats 1 --groups deit_tiny',
            'PROFILE_FLAGS': '--device cpu --img-size 32 --batch 2 --repeats 1',
            'PROFILE_MODELS': 'iffn_deit_tiny_patch16_224', 'T1_SEED': '',  # the committed GPU runs: not these runs'
-           'EVAL_FLAGS': '--device cpu --threads 1'}
+           'EVAL_FLAGS': '--device cpu --threads 1', 'T1_TIME_LIMIT': '3000'}  # every wave starts, slow CPU or not
 
     def call(seconds):
         return subprocess.run(['bash', 'scripts/gpu_lease.sh', str(seconds)], cwd=tmp_path, env=env,
@@ -54,6 +67,9 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
         second.stdout + (tmp_path / 'runs/gpu-t1.log').read_text()[-3000:]
     log = (tmp_path / 'runs/lease.log').read_text()
     assert 'table1 exit 0' in log
+    for wave in ('1 (cifar10 NiNformer torchinit first)', '2 (mnist MlpMixer,NiNformer -)',
+                 '3 (cifar10 ViT seeds first)', '4 (mnist,cifar10 - torchinit,seeds)'):
+        assert f'table1 wave {wave} exit 0' in log, log
     assert 'mps: not available (no nvidia-cuda-mps-control)' in log  # tried before Table 1; none on a CPU
     # the ablations ran in Table 1's pool (no process for a finished run), each printed its own table
     t1_log = (tmp_path / 'runs/gpu-t1.log').read_text()
@@ -61,6 +77,9 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
                                                                                   'patch4_32')):
         assert f'started {name}:{run} (log runs/gpu-t1-{name}/{run}.log)' in t1_log, t1_log
         assert f'NiNformer Table 1, ablation {name} (' in t1_log
+    # the first wave: the init ablation started before the row it tests (--ablations-first)
+    assert t1_log.index('started torchinit:cifar10/ninformer_vit_patch4_32') < \
+        t1_log.index('started cifar10/ninformer_vit_patch4_32')
     # the CUDA cases ran (skipped here, on the CPU: the DDP vote, 9 + 9 + 9 + 3 + 1 of tests/test_on_device.py)
     # and their report is packed
     assert 'cuda tests exit 0' in log
@@ -189,9 +208,55 @@ def test_a_late_machine_skips_table1_for_the_speed_sweep(tmp_path):
                          text=True, timeout=900)
     assert 'lease job: done' in out.stdout and 'Table 1: 0 of 8 runs finished' in out.stdout, out.stdout + out.stderr
     log = (tmp_path / 'runs/lease.log').read_text()
-    assert 'table1 skipped: T1_TIME_LIMIT 200 s < T1_MIN 600 s' in log and 'sweep exit 0' in log, log
+    assert 'table1 skipped: T1_TIME_LIMIT 200 s < T1_MIN 400 s' in log and 'sweep exit 0' in log, log
     assert 'table1 exit' not in log and 'mps:' not in log  # nothing to share the GPU between
     assert not list((tmp_path / 'runs').glob('gpu-t1*/*/*/config.yaml'))  # nothing trained
+
+
+def _fake_python(tmp_path):
+    """A Python that runs ``-c`` code (the job's start, the versions line) and only records every other command
+    (Table 1's waves, the rechecks, the sweep), one argv a line in calls.txt; a Table 1 wave takes 5 s."""
+    calls = tmp_path / 'calls.txt'
+    return _fake(tmp_path / 'python', f'[ "$1" = -c ] && exec {sys.executable} "$@"\n'
+                                      f'printf "%s|" "$@" >> {calls}; echo >> {calls}\n'
+                                      'case "$*" in *reproduce*) sleep 5;; esac\n'), calls
+
+
+def test_a_15_minute_lease_runs_table1_in_waves_the_init_ablation_first(tmp_path):
+    """The lease's time (LEASE_SECONDS, the device tool's 15 minutes by default) less 300 s is Table 1's; the
+    first wave, the CIFAR-10 NiNformer row with its init ablation started first, gets all of it, and a wave is not
+    started with less than T1_MIN left."""
+    lease = _lease_dir(tmp_path)
+    python, calls = _fake_python(tmp_path)
+    env = {**os.environ, 'PYTHON': python, 'T1_MPS': '0', 'PROFILE_MODELS': ' ', 'CUDA_TESTS': 'none',
+           'LEASE_SECONDS': '305', 'T1_MIN': '1'}
+    out = subprocess.run(['bash', 'scripts/gpu_lease.sh', '60'], cwd=lease, env=env, capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL)
+    assert 'lease job: done' in out.stdout, out.stdout + out.stderr
+    reproduce = [c.split('|')[:-1] for c in calls.read_text().splitlines() if 'reproduce' in c]
+    assert len(reproduce) == 1, reproduce  # 5 s of the 5: no time for the next wave
+    argv = reproduce[0]
+    assert argv[argv.index('--datasets') + 1:argv.index('--datasets') + 4] == ['cifar10', '--models', 'NiNformer']
+    assert argv[argv.index('--time-limit') + 1] in ('5', '4')  # 305 s less 300, less the second it may have taken
+    assert argv[-5:] == ['--ablation', 'torchinit', 'cifar10/NiNformer', 'model_kwargs={block_cfg: {init: torch}}',
+                         '--ablations-first']
+    log = (lease / 'runs/lease.log').read_text()
+    assert 'table1 wave 1 (cifar10 NiNformer torchinit first) exit 0' in log
+    for wave in ('2 (mnist MlpMixer,NiNformer -)', '3 (cifar10 ViT seeds first)',
+                 '4 (mnist,cifar10 - torchinit,seeds)'):
+        assert re.search(rf'table1 wave {re.escape(wave)} not started: -?\d+ s left < T1_MIN 1 s', log), log
+    assert 'sweep exit 0' in log  # then issue 15's measurements, as before
+
+
+@pytest.mark.parametrize('waves', ['cifar10 NiNformer torchnit', 'cifar10 NiNformer torchinit last', 'cifar10 ViT',
+                                   'mnist - -; cifar10 ViT seeds,init'])
+def test_a_wrong_wave_is_the_calls_error_before_any_job_starts(tmp_path, waves):
+    lease = _lease_dir(tmp_path)
+    python, calls = _fake_python(tmp_path)
+    out = subprocess.run(['bash', 'scripts/gpu_lease.sh', '60'], cwd=lease, env={**os.environ, 'PYTHON': python,
+                         'T1_WAVES': waves}, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and "is not 'DATASETS ROWS ABLATIONS [first]'" in out.stderr, out.stderr
+    assert not (lease / 'runs').exists() and not calls.exists()
 
 
 def _fake(path, body):

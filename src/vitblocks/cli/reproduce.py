@@ -29,7 +29,7 @@ examples:
   vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --epochs 1 --device cuda
   vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --set compile=true compile_mode=reduce-overhead
   vitblocks reproduce cifar10-blocks --device cuda --jobs 27 --set compile=true compile_mode=reduce-overhead
-  vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --time-limit 1500   # a 30-minute GPU lease
+  vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --time-limit 600   # a 15-minute GPU lease
   vitblocks reproduce ninformer-table1 --output runs/gpu-t1 --no-train --set matmul_precision=high   # as they are
   vitblocks reproduce ninformer-table1 --jobs 8 --time-limit 1500 --ablation torchinit cifar10/NiNformer \
       'model_kwargs={block_cfg: {init: torch}}' --ablation seed1 cifar10/ViT seed=1   # beside, paused first
