@@ -110,9 +110,11 @@ mps_stop() {  # before the speed measurements, which each want the GPU to themse
   fi
 }
 
+read_waves() { IFS=';' read -ra waves <<< "$(echo $t1_waves)"; }  # -> waves, one 'DATASETS ROWS ...' each
+
 check_waves() {  # T1_WAVES, read before any job starts: a wrong one is the call's error, not a lost lease
   local wave
-  IFS=';' read -ra waves <<< "$(echo $t1_waves)"
+  read_waves
   for wave in "${waves[@]}"; do
     set -- $wave
     if [ $# -lt 3 ] || [ $# -gt 4 ] || { [ $# = 4 ] && [ "$4" != first ]; } || \
@@ -136,7 +138,7 @@ job() {  # the background job: each step in turn, whatever the one before it lef
     : > runs/gpu-t1-rechecks.txt
   else
     worst=0
-    IFS=';' read -ra waves <<< "$(echo $t1_waves)"
+    read_waves
     for i in "${!waves[@]}"; do
       set -- ${waves[$i]}
       left=$(( t1_end - $(date +%s) ))
