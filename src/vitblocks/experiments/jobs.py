@@ -284,22 +284,18 @@ def run_jobs(jobs: List[Job], parallel: int, threads: int, time_limit: Optional[
     window = window or (time_limit_window(time_limit) if time_limit else 60.0)
     pool = _Pool(jobs, parallel, threads, time_limit, window, echo, clock)
     with _sigint_reaches_the_runs():
-        _run_pool(pool, poll)
+        try:
+            while pool.pending or pool.running:
+                pool.step()
+                time.sleep(poll)
+                pool.collect()
+                pool.decide()
+        finally:  # interrupted (or done): stop the runs still going; each keeps its last checkpoint
+            for r in pool.running:
+                r.proc.send_signal(signal.SIGINT)
+            for r in pool.running:
+                try:
+                    r.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    r.proc.kill()
     return pool.report
-
-
-def _run_pool(pool: _Pool, poll: float) -> None:
-    try:
-        while pool.pending or pool.running:
-            pool.step()
-            time.sleep(poll)
-            pool.collect()
-            pool.decide()
-    finally:  # interrupted (or done): stop the runs still going; each keeps its last checkpoint
-        for r in pool.running:
-            r.proc.send_signal(signal.SIGINT)
-        for r in pool.running:
-            try:
-                r.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                r.proc.kill()
