@@ -63,13 +63,18 @@ from _ratio_runs import (add_malloc_option, apply_malloc_option, does_work, forw
 TARGET = 0.95  # deployed IFFN-S / DeiT-S median latency, batch 32 (issue 15)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """``--models IFFN_MODEL BASELINE`` and ``--batch-size`` (also benchmarks/iffn_slices.py)."""
     p.add_argument('--models', nargs=2, metavar=('IFFN_MODEL', 'BASELINE'),
                    default=['iffn_deit_small_patch16_224', 'deit_small_patch16_224'],
                    help='the IFFN model and its baseline (default: %(default)s)')
     p.add_argument('--batch-size', type=int, default=32, help='images per batch (default 32)')
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_options(p)
     p.add_argument('--threads', type=int, help="torch intra-op threads (default: torch's default)")
     p.add_argument('--warmup', type=int, default=3, help='untimed batches per model (default 3)')
     p.add_argument('--repeats', type=int, default=10, help='timed batches per model, median reported (default 10)')
@@ -315,14 +320,20 @@ def compiled_rows(args, deployed: nn.Module, baseline: nn.Module, size, threads:
               f'[{", ".join(f"{v:.3f}" for v in same)}]')
 
 
+def build_models(iffn_name: str, base_name: str):
+    """(IFFN model in training form, eval mode; its deployed form; the baseline through ``reparameterize``),
+    random weights from seed 0 (also benchmarks/iffn_slices.py)."""
+    torch.manual_seed(0)
+    iffn_train = timm.create_model(iffn_name).eval()
+    baseline = reparameterize(timm.create_model(base_name))
+    return iffn_train, reparameterize(iffn_train), baseline
+
+
 def main(argv=None):
     args = parse_args(argv)
     allocator = apply_malloc_option(args)
     iffn_name, base_name = args.models
-    torch.manual_seed(0)
-    iffn_train = timm.create_model(iffn_name).eval()
-    baseline = reparameterize(timm.create_model(base_name))
-    deployed = reparameterize(iffn_train)
+    iffn_train, deployed, baseline = build_models(iffn_name, base_name)
     if args.chunk_bytes is not None:
         deployed = iffn_copy(deployed, inference_chunk_bytes=args.chunk_bytes)
     size = input_size_of(iffn_train)
