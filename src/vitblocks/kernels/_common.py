@@ -1,0 +1,72 @@
+"""Pieces every kernel shares: activations by registry name, launch dtypes."""
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+# activation registry name (vitblocks.layers.activations) -> id of the branch in activate()
+ACT_IDS = {'gelu': 0, 'silu': 1, 'relu': 2, 'softplus': 3, 'elu': 4, 'sigmoid': 5, 'hardswish': 6, 'relu6': 7}
+_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def activate(x, ACT: tl.constexpr):
+    """The activation registered as ``ACT`` (see ACT_IDS), in fp32, as torch's default of each."""
+    if ACT == 0:  # exact GELU (erf), nn.GELU()
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 1:  # SiLU
+        y = x * tl.sigmoid(x)
+    elif ACT == 2:  # ReLU
+        y = tl.maximum(x, 0.0)
+    elif ACT == 3:  # Softplus(beta=1, threshold=20)
+        y = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    elif ACT == 4:  # ELU(alpha=1)
+        y = tl.where(x > 0.0, x, tl.exp(tl.minimum(x, 0.0)) - 1.0)
+    elif ACT == 5:  # sigmoid
+        y = tl.sigmoid(x)
+    elif ACT == 6:  # Hardswish
+        y = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) / 6.0
+    else:  # ReLU6
+        y = tl.minimum(tl.maximum(x, 0.0), 6.0)
+    return y
+
+
+def act_id(name: str) -> int:
+    if name not in ACT_IDS:
+        raise ValueError(f'no fused kernel for activation {name!r}; kernels exist for {", ".join(ACT_IDS)}')
+    return ACT_IDS[name]
+
+
+def dot_dtype(dtype: torch.dtype):
+    """Triton dtype of the matmul operands for tensors of ``dtype``."""
+    if dtype not in _DOT_DTYPES:
+        raise ValueError(f'no fused kernel for {dtype}; they run float32, bfloat16 and float16')
+    return _DOT_DTYPES[dtype]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 operands: TF32 exactly when torch's own float32 matmuls use it (``allow_tf32``), so a fused
+    model computes at the precision of the vanilla model it is compared with; others are exact products."""
+    if dtype == torch.float32 and matmul_uses_tf32() and not interpreting():
+        return 'tf32'
+    return 'ieee'
+
+
+def matmul_uses_tf32() -> bool:
+    """Whether torch runs float32 CUDA matmuls in TF32 (``torch.backends.cuda.matmul.fp32_precision``, or the
+    older ``allow_tf32`` / ``torch.set_float32_matmul_precision`` switches it defers to while it reads 'none')."""
+    precision = getattr(torch.backends.cuda.matmul, 'fp32_precision', 'none')
+    if precision != 'none':
+        return precision == 'tf32'
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def upcast_operands() -> bool:
+    """Triton's interpreter multiplies bf16/fp16 blocks wrongly: there the operands go to fp32 first (their
+    products are exact in fp32, so the result is the same sum)."""
+    return interpreting()
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
