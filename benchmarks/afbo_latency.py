@@ -45,7 +45,8 @@ import torch
 from timm.layers import Mlp
 
 import vitblocks  # noqa: F401  (registers the afbo_* models with timm)
-from vitblocks.layers.afbo import AFBO
+from vitblocks.deploy import reparameterize
+from vitblocks.layers import AFBO, AFBODeployed
 from vitblocks.layers.channel_maps import create_channel_map, map_cost
 from vitblocks.models import find_ffn_slots
 from vitblocks.profile import fault_note, fixed_threads, input_size_of
@@ -70,10 +71,10 @@ def parse_args(argv=None):
     p.add_argument('--layer-repeats', type=int, default=20,
                    help='timed calls per FFN / channel map in parts 2 and 3 (default 20; 0 skips them)')
     p.add_argument('--chunk-bytes', type=int,
-                   help=f'AFBO.inference_chunk_bytes (default {AFBO.inference_chunk_bytes}; 0 = whole batch at once)')
+                   help=f'AFBODeployed.inference_chunk_bytes (default {AFBODeployed.inference_chunk_bytes}; 0 = whole batch at once)')
     p.add_argument('--chunk-max-threads', type=int,
-                   help=f'AFBO.inference_chunk_max_threads: slice only with at most this many threads '
-                        f'(default {AFBO.inference_chunk_max_threads})')
+                   help=f'AFBODeployed.inference_chunk_max_threads: slice only with at most this many threads '
+                        f'(default {AFBODeployed.inference_chunk_max_threads})')
     add_malloc_option(p)
     return p.parse_args(argv)
 
@@ -113,7 +114,8 @@ def _ffn_input(model, layer: AFBO, batch_size: int) -> torch.Tensor:
 
 def end_to_end(args) -> None:
     afbo_name, base_name = args.models
-    models = {afbo_name: timm.create_model(afbo_name), base_name: timm.create_model(base_name)}
+    # the AFBO model deployed (AFBODeployed layers: the fast CPU path), the baseline as it is
+    models = {afbo_name: reparameterize(timm.create_model(afbo_name)), base_name: timm.create_model(base_name)}
     size = input_size_of(models[base_name])
     runs = interleaved_runs(models, args.runs, batch_size=args.batch_size, input_size=size,
                             warmup=args.warmup, repeats=args.repeats, num_threads=args.threads)
@@ -139,7 +141,7 @@ def end_to_end(args) -> None:
 
 @torch.inference_mode()
 def layers(args) -> None:
-    model = timm.create_model(args.models[0]).eval()
+    model = reparameterize(timm.create_model(args.models[0]))
     layer = _first_afbo(model)
     x = _ffn_input(model, layer, args.batch_size)
     d, hid = layer.in_features, layer.hidden_features
@@ -176,14 +178,14 @@ def main(argv=None):
     args = parse_args(argv)
     allocator = apply_malloc_option(args)
     if args.chunk_bytes is not None:
-        AFBO.inference_chunk_bytes = args.chunk_bytes
+        AFBODeployed.inference_chunk_bytes = args.chunk_bytes
     if args.chunk_max_threads is not None:
-        AFBO.inference_chunk_max_threads = args.chunk_max_threads
+        AFBODeployed.inference_chunk_max_threads = args.chunk_max_threads
     load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan')
     print(f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {load:.1f}; '
-          f'torch {torch.__version__}, {args.threads} thread(s), {allocator}, AFBO.inference_chunk_bytes '
-          f'{AFBO.inference_chunk_bytes} per thread' + (f' up to {AFBO.inference_chunk_max_threads} thread(s)'
-                                              if AFBO.inference_chunk_max_threads else ''))
+          f'torch {torch.__version__}, {args.threads} thread(s), {allocator}, AFBODeployed.inference_chunk_bytes '
+          f'{AFBODeployed.inference_chunk_bytes} per thread' + (f' up to {AFBODeployed.inference_chunk_max_threads} thread(s)'
+                                              if AFBODeployed.inference_chunk_max_threads else ''))
     torch.manual_seed(0)
     end_to_end(args)
     if args.layer_repeats:

@@ -50,8 +50,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vitblocks  # noqa: F401  (registers the iffn_* models with timm)
 from vitblocks.deploy import reparameterize
-from vitblocks.layers import IFFN
-from vitblocks.layers import iffn as iffn_layer
+from vitblocks.layers import IFFNDeployed
+from vitblocks.layers import iffn_deployed as iffn_layer
 from vitblocks.layers.layout import slice_step
 from vitblocks.layers.rational_gelu import RationalGELU
 from vitblocks.models import find_ffn_slots
@@ -84,7 +84,7 @@ def parse_args(argv=None):
     p.add_argument('--breakdown-repeats', type=int, default=10,
                    help='timed FFN calls per variant for the breakdown (default 10; 0 skips it)')
     p.add_argument('--chunk-bytes', type=int,
-                   help='IFFN.inference_chunk_bytes for the deployed model: batch slices of this many bytes of '
+                   help='IFFNDeployed.inference_chunk_bytes for the deployed model: batch slices of this many bytes of '
                         'hidden features, 0 = whole batch (default: the layer\'s, 8 MiB)')
     p.add_argument('--compile-chunk-bytes', type=int, nargs='+', metavar='BYTES', default=[],
                    help='with --compile: also time the compiled deployed model with batch slices of BYTES of hidden '
@@ -109,14 +109,14 @@ def slices_while_compiling():
 
 
 def iffn_copy(model: nn.Module, **settings) -> nn.Module:
-    """A copy of ``model`` with IFFN class settings set on each of its IFFN layers, e.g.
+    """A copy of ``model`` with IFFNDeployed class settings set on each of its deployed IFFN layers, e.g.
     ``inference_chunk_bytes=0`` (the whole batch) or ``compile_rational_gelu=False`` (torch's GELU)."""
-    unknown = [name for name in settings if not hasattr(IFFN, name)]
+    unknown = [name for name in settings if not hasattr(IFFNDeployed, name)]
     if unknown:
         raise ValueError(f'IFFN has no setting {", ".join(unknown)}')
     model = copy.deepcopy(model)
     for m in model.modules():
-        if isinstance(m, IFFN):
+        if isinstance(m, IFFNDeployed):
             for name, value in settings.items():
                 setattr(m, name, value)
     return model

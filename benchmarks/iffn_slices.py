@@ -8,7 +8,7 @@ Command (results: docs/iffn_speed.md, "Issue 15, 2026-11-28"):
 The whole-model ratio of ``iffn_latency.py --chunk-bytes B`` moves by a few percent from run to run on a
 noisy host, more than the slice size changes it. This times the first block's FFN alone, on the input it
 really receives in a forward (e.g. 32 x 196 x 384 for iffn_deit_small), once per slice size
-(``IFFN.inference_chunk_bytes``; 0 = the whole batch) and the baseline's first ``Mlp`` on its own input,
+(``IFFNDeployed.inference_chunk_bytes``; 0 = the whole batch) and the baseline's first ``Mlp`` on its own input,
 all interleaved round by round. Printed per size: the median ms per call, the ratio of medians to the
 ``Mlp``, and the per-round ratio (the median of each round's ratio, less moved by drift).
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _ratio_runs import add_malloc_option, apply_malloc_option  # noqa: E402
 from iffn_latency import add_model_options, build_models, first_ffn, first_ffn_and_input  # noqa: E402
 
-from vitblocks.layers import IFFN  # noqa: E402
+from vitblocks.layers import IFFNDeployed  # noqa: E402
 from vitblocks.profile import fixed_threads, input_size_of  # noqa: E402
 
 MIB = 2 ** 20
@@ -58,8 +58,8 @@ def main(argv=None):
     iffn_name, base_name = args.models
     iffn_train, deployed, baseline = build_models(iffn_name, base_name)
     qual_i, ffn = first_ffn(deployed)
-    if not isinstance(ffn, IFFN):
-        raise SystemExit(f'{iffn_name}: its first FFN ({qual_i}) is a {type(ffn).__name__}, not an IFFN')
+    if not isinstance(ffn, IFFNDeployed):
+        raise SystemExit(f'{iffn_name}: its first FFN ({qual_i}) is a {type(ffn).__name__}, not a deployed IFFN')
     size = input_size_of(iffn_train)
     _, _, x_i = first_ffn_and_input(iffn_train, args.batch_size, size)
     qual_b, mlp, x_b = first_ffn_and_input(baseline, args.batch_size, size)

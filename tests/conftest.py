@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# The fused Triton kernels (vitblocks.kernels) run through Triton's interpreter on a machine without a
+# GPU; Triton reads this when a kernel module is first imported, so it is set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault('TRITON_INTERPRET', '1')
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -285,7 +285,7 @@ def test_every_variant_forward_backward(cfg):
 @pytest.mark.parametrize('layout_kind', ['tokens+prefix', 'channels_first', 'channels_last'])
 def test_inference_path_matches_reference(cfg, layout_kind):
     layout, x = _layer_input(layout_kind)  # float32: CPU depthwise convs have no fast float64 kernel
-    layer = _randomize(AFBO(D, HID, layout=layout, **cfg)).eval()
+    layer = _randomize(AFBO(D, HID, layout=layout, **cfg)).eval().fuse()
     reference = layer(x)  # autograd on: the readable path
     with torch.inference_mode():
         whole = layer(x)  # the default slice budget holds the whole (tiny) batch
@@ -306,11 +306,11 @@ def test_inference_path_is_cpu_only(monkeypatch):
     """The sliced inference path (``out=`` matmuls, CPU-cache slices) runs on the CPU only; another
     device (here 'meta', standing in for a GPU) takes the reference path, which autocast can cast."""
     layout, x = _layer_input('tokens+prefix')
-    layer = _randomize(AFBO(D, HID, layout=layout)).eval()
+    layer = _randomize(AFBO(D, HID, layout=layout)).eval().fuse()
     on_meta = copy.deepcopy(layer).to('meta')
     calls = []
     for m in (layer, on_meta):
-        monkeypatch.setattr(m, '_forward_inference', lambda t: calls.append(t.device.type) or t)
+        monkeypatch.setattr(m, '_forward_cpu', lambda t: calls.append(t.device.type) or t)
     with torch.inference_mode():
         out = on_meta(x.to('meta'))
         assert out.shape == x.shape and out.device.type == 'meta' and calls == []
@@ -324,7 +324,7 @@ def test_cpu_autocast_runs_the_reference_path():
     under CPU bf16 autocast AFBO ran them in fp32 (vitblocks bench --amp bf16 timed fp32 AFBO against a bf16
     baseline). Under autocast the reference path runs, in the dtype asked for."""
     layout, x = _layer_input('tokens+prefix')
-    assert_autocast_runs_the_reference_path(_randomize(AFBO(D, HID, layout=layout)).eval(), x)
+    assert_autocast_runs_the_reference_path(_randomize(AFBO(D, HID, layout=layout)).eval().fuse(), x)
 
 
 def test_channels_first_equals_tokens():

@@ -11,7 +11,7 @@ from torch import nn
 
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.deploy import reparameterize
-from vitblocks.layers import IFFN, ConcatArbitraryActivations
+from vitblocks.layers import IFFN, ConcatArbitraryActivations, IFFNDeployed
 from vitblocks.layers.iffn import DepthwiseBlock
 from _helpers import assert_autocast_runs_the_reference_path, perturb_
 
@@ -233,13 +233,13 @@ def test_deploy_form_uses_reference_path_under_autograd():
 
 
 def test_inference_path_is_cpu_only(monkeypatch):
-    """The sliced, in-place inference path is for the CPU; another device (here 'meta', standing in for
-    a GPU) runs the readable path under inference_mode, so autocast and whole-batch kernels apply."""
+    """The sliced, in-place inference path is for the CPU; a device without fused kernels (here 'meta')
+    runs the reference path under inference_mode."""
     deployed = perturb_(IFFN(16, 64, grid_size=(3, 4)), std=0.2, batchnorm=True).eval().fuse()
     on_meta = copy.deepcopy(deployed).to('meta')
     calls = []
     for m in (deployed, on_meta):
-        monkeypatch.setattr(m, '_forward_inference', lambda x: calls.append(x.device.type) or x)
+        monkeypatch.setattr(m, '_forward_cpu', lambda x: calls.append(x.device.type) or x)
     with torch.inference_mode():
         out = on_meta(torch.randn(2, 12, 16, device='meta'))
         assert out.shape == (2, 12, 16) and out.device.type == 'meta' and calls == []
@@ -257,7 +257,7 @@ def test_cpu_autocast_runs_the_reference_path():
     assert_autocast_runs_the_reference_path(deployed, torch.randn(3, 13, 16))
 
 def test_deploy_form_errors_like_training_form():
-    deployed = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=1, deploy=True).eval()
+    deployed = IFFNDeployed(16, 64, grid_size=(3, 4), num_prefix_tokens=1).eval()
     with torch.inference_mode(), pytest.raises(ValueError, match='1 prefix tokens \\+ a 3x4 grid = 13'):
         deployed(torch.randn(2, 12, 16))
 
@@ -272,7 +272,7 @@ def test_fuse_is_idempotent_and_keeps_mode():
 def test_deploy_form_constructs_directly_and_loads_fused_state_dict():
     ffn = perturb_(IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2), std=0.2, batchnorm=True).eval()
     fused = ffn.fuse()
-    built = IFFN(16, 64, grid_size=(3, 4), num_prefix_tokens=2, deploy=True).eval()
+    built = IFFNDeployed(16, 64, grid_size=(3, 4), num_prefix_tokens=2).eval()
     built.load_state_dict(fused.state_dict())  # strict: same keys, same shapes
     x = torch.randn(2, 14, 16)
     with torch.inference_mode():

@@ -54,13 +54,12 @@ Choices where the paper is silent (docs/afbo.md has the reasoning):
 from typing import List, Optional, Tuple, Type, Union
 
 import torch
-import torch.nn.functional as F
 from timm.layers import to_2tuple
 from torch import nn
 
-from .activations import act_fn_, activation_name, create_act
+from .activations import activation_name, create_act
 from .channel_maps import create_channel_map
-from .layout import TokenLayout, autocasting, batch_slice_size, check_grid, merge_tokens
+from .layout import TokenLayout, merge_tokens
 from .registry import register_ffn
 
 __all__ = ['AFBO', 'SpatialAttention', 'create_spatial_op', 'AFBO_VARIANTS', 'AFBO_VARIANT_ALIASES', 'SPATIAL_OPS',
@@ -144,20 +143,10 @@ class AFBO(nn.Module):
         grid_size, num_prefix_tokens, channels_first, layout: where the 2-D grid is
             (:class:`~vitblocks.layers.TokenLayout`); surgery sets and updates it.
 
-    On the CPU in eval mode without autograd (``torch.inference_mode`` / ``no_grad``) or autocast, the default
-    structure ('cm' or 'cm_sm' order with depthwise conv, no norm) runs :meth:`_forward_inference`:
-    same numbers, fewer memory passes. Other devices, and autocast, run the reference path: the inference
-    path's batch slices and ``out=`` matmuls serve the CPU's caches, cost kernel launches on a GPU and are
-    not cast by autocast (docs/gpu_speed.md).
+    This is the training form, with one forward: the reference computation. :meth:`fuse` returns its
+    inference form, :class:`~vitblocks.layers.AFBODeployed` (same arguments and parameters), which chooses
+    fast kernels by device.
     """
-
-    # Inference path: run the batch in slices so that each Md-wide intermediate holds about this many
-    # bytes per intra-op thread (2 MB ~ 3 images of DeiT-T), buffers reused across slices. The slices'
-    # intermediates stay in cache and are recycled by the allocator instead of being fresh pages the OS
-    # must zero on every call: afbo_deit_tiny / deit_tiny at batch 32 on 2 threads went from 1.435x
-    # (whole batch) to 1.08-1.17x. 0: never slice. docs/afbo.md has the measurements.
-    inference_chunk_bytes: int = 2 * 2 ** 20
-    inference_chunk_max_threads: Optional[int] = None  # slice only with at most this many threads (None: any)
 
     def __init__(
             self,
@@ -188,6 +177,11 @@ class AFBO(nn.Module):
     ):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
+        self._init_args = dict(in_features=in_features, hidden_features=hidden_features, out_features=out_features,
+                               act_layer=act_layer, norm_layer=norm_layer, bias=bias, drop=drop, variant=variant,
+                               gccm_groups=gccm_groups, occm_groups=occm_groups, block_groups=block_groups,
+                               left_map=left_map, right_map=right_map, order=order, spatial=spatial,
+                               kernel_size=kernel_size, act_position=act_position, act_branch=act_branch)
         if order not in ORDERS:
             raise ValueError(f'unknown order {order!r}; choose one of {", ".join(ORDERS)} '
                              "('cm' = channel mapping only, 'sm' = spatial modelling only)")
@@ -293,17 +287,12 @@ class AFBO(nn.Module):
                     if isinstance(sub, nn.Conv2d):
                         sub.reset_parameters()
 
-    # -- reference path (training, autograd, every configuration) ----------------------------
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
         self.layout.set_grid(feat_size)
-        # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below,
-        # and so does torch.export: the inference path's Python loop over batch slices would fix the batch size
-        if not torch.jit.is_scripting():
-            # not under autocast either: the inference path's out= matmuls are not cast (they would run in fp32)
-            if (x.device.type == 'cpu' and not (self.training or torch.is_grad_enabled() or autocasting(x))
-                    and not torch.compiler.is_exporting() and self._has_inference_path()):
-                return self._forward_inference(x)
+        return self._forward_reference(x)
+
+    def _forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         cf = self.layout.channels_first
         if cf:
             if x.ndim != 4:
@@ -360,96 +349,17 @@ class AFBO(nn.Module):
             right = self.act(right)
         return left * right  # pre-act (Fig. 1b, Table 6): sigma before the product
 
-    # -- inference path ---------------------------------------------------------------------
-    def _has_inference_path(self) -> bool:
-        return (self.order in ('cm', 'cm_sm') and isinstance(self.norm, nn.Identity)
-                and (self.spatial_kind is None or self.spatial_kind == 'dwconv'))
-
-    def _combine_into(self, left: torch.Tensor, right: torch.Tensor, dest: torch.Tensor) -> None:
-        """:meth:`_combine` written into ``dest``; activates ``left``/``right`` in place (scratch buffers)."""
-        act_ = act_fn_(self.act_name)  # in place where torch can (the inputs are scratch buffers)
-        if self.act_position == 'post':
-            y = act_(torch.mul(left, right, out=dest))
-            if y is not dest:  # an activation without an in-place kernel (softplus)
-                dest.copy_(y)
-            return
-        if self.act_branch in ('left', 'both'):
-            left = act_(left)
-        if self.act_branch in ('right', 'both'):
-            right = act_(right)
-        torch.mul(left, right, out=dest)
-
-    def _forward_inference(self, x: torch.Tensor) -> torch.Tensor:
-        """Eval-mode, no-autograd forward: the numbers of :meth:`forward` with fewer passes and copies.
-
-        * Channels-last throughout: each channel map writes its ``(tokens, Md)`` output in place
-          with one batched matmul (no layout copy); the depthwise convs read the patch tokens
-          through a channels-last ``(b, Md, H, W)`` view, and the product is written back into
-          the left branch's buffer, which fc2 reads (prefix tokens skip the convs, no concat).
-        * The batch runs in slices of about ``inference_chunk_bytes`` per thread per Md-wide
-          intermediate, with the slice buffers reused, so the intermediates of a slice stay in
-          cache and no call pays for fresh pages (1.08-1.17x DeiT-T instead of 1.44x on 2 threads);
-          not while ``torch.compile`` or tracing builds a graph (:func:`~vitblocks.layers.layout.batch_slice_size`).
-        * Grouped weights (GCCM's pairs) are packed once per call, not once per slice.
+    @torch.no_grad()
+    def fuse(self) -> 'AFBO':
+        """Return the inference form, an :class:`~vitblocks.layers.AFBODeployed` with the same parameters (AFBO
+        has no BatchNorm to fold) and the same :class:`TokenLayout` object, in the same train/eval mode; it
+        chooses fast kernels by device. ``self`` is left unchanged. Model level: ``vitblocks.deploy.reparameterize``.
         """
-        cf = self.layout.channels_first
-        if cf:
-            if x.ndim != 4:
-                raise ValueError(f'AFBO (channels_first) expects (B, C, H, W), got shape {list(x.shape)}')
-            x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C) view
-        spatial = self.spatial_kind is not None
-        if x.ndim == 3:  # tokens (B, N, C)
-            B, N, C = x.shape
-            prefix = self.layout.num_prefix_tokens if spatial else 0
-            grid = check_grid(self.layout, N, type(self).__name__) if spatial else None
-        elif x.ndim == 4:  # channels-last map (B, H, W, C)
-            B, gh, gw, C = x.shape
-            N, prefix, grid = gh * gw, 0, (gh, gw)
-        else:
-            raise ValueError(f'AFBO expects tokens (B, N, C) or a map, got shape {list(x.shape)}')
-        self.left_map.check_width(x)  # both maps read the same rows; once, not per slice
-        rows = x.reshape(B, N, C)  # a view unless the input is channels-first
-        out = rows.new_empty(B, N, self.out_features)
-        hid = self.hidden_features
-        per_image = N * hid * rows.element_size()
-        threads = torch.get_num_threads()
-        limit = self.inference_chunk_max_threads
-        budget = self.inference_chunk_bytes * threads if limit is None or threads <= limit else 0
-        step = batch_slice_size(B, per_image, budget) or B
-        w_left, w_right = self.left_map.bmm_weight(), self.right_map.bmm_weight()
-        buf_left, buf_right = rows.new_empty(step * N, hid), rows.new_empty(step * N, hid)
-        w2, b2 = self.fc2.weight, self.fc2.bias
-        for i in range(0, B, step):
-            b = min(step, B - i)
-            xr = rows[i:i + b].reshape(b * N, C)  # (b, N, C) -> (b*N, C)
-            left = self.left_map.forward_into(xr, buf_left[:b * N], w_left)  # (b*N, Md)
-            right = self.right_map.forward_into(xr, buf_right[:b * N], w_right)
-            if spatial:
-                left3, right3 = left.view(b, N, hid), right.view(b, N, hid)
-                patches = left3[:, prefix:].unflatten(1, grid)  # (b, H, W, Md) view into the left buffer
-                conv_l = self._dwconv(self.left_spatial, patches)
-                conv_r = self._dwconv(self.right_spatial, right3[:, prefix:].unflatten(1, grid))
-                self._combine_into(conv_l, conv_r, patches)
-                if prefix:  # prefix tokens: no spatial op
-                    self._combine_into(left3[:, :prefix], right3[:, :prefix], left3[:, :prefix])
-            else:
-                self._combine_into(left, right, left)
-            dest = out[i:i + b].view(b * N, self.out_features)
-            if b2 is None:
-                torch.mm(left, w2.t(), out=dest)
-            else:
-                torch.addmm(b2, left, w2.t(), out=dest)  # fc2, written in place
-        if x.ndim == 4:
-            out = out.view(B, grid[0], grid[1], self.out_features)
-            return out.permute(0, 3, 1, 2) if cf else out  # (B, H, W, C) -> (B, C, H, W) view
-        return out
-
-    @staticmethod
-    def _dwconv(conv: nn.Conv2d, fmap_cl: torch.Tensor) -> torch.Tensor:
-        """Depthwise conv of a channels-last ``(b, H, W, C)`` view; returns ``(b, H, W, C)`` (a view)."""
-        y = F.conv2d(fmap_cl.permute(0, 3, 1, 2), conv.weight, conv.bias, padding=conv.padding,
-                     groups=conv.groups)  # (b, C, H, W) channels-last in, channels-last out
-        return y.permute(0, 2, 3, 1)
+        from .afbo_deployed import AFBODeployed  # the deployed form builds on this class
+        w = self.fc2.weight
+        deployed = AFBODeployed(**self._init_args, layout=self.layout, device=w.device, dtype=w.dtype)
+        deployed.load_state_dict(self.state_dict())  # strict: the same parameters
+        return deployed.train(self.training)
 
     def extra_repr(self) -> str:
         maps = f'maps={self.map_kinds}' if self.order != 'sm' else 'maps=(shared dense fc1)'

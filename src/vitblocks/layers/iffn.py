@@ -12,12 +12,10 @@ ablates 4) and ``A_i`` arbitrary activations (Eq. 3; AGeLU for GELU). Ablation s
 follow Table 2: without the channel part, fc1 maps C -> C' followed by the plain base
 activation; without the spatial part, the depthwise block is dropped.
 
-Deploy form (``IFFN.fuse()`` or ``IFFN(..., deploy=True)``): the BatchNorm is folded into the
-depthwise conv, and inference (eval, no autograd) takes a path with the same numbers but
-fewer memory passes and allocations; docs/iffn_speed.md has the measurements behind it.
+Deploy form: ``IFFN.fuse()`` returns an :class:`~vitblocks.layers.IFFNDeployed` (the BatchNorm
+folded into the depthwise conv) whose forward chooses fast kernels by device
+(:mod:`vitblocks.layers.iffn_deployed`); this module's forward is the reference.
 """
-import copy
-import math
 from typing import List, Optional, Tuple, Type, Union
 
 import torch
@@ -25,9 +23,8 @@ import torch.nn.functional as F
 from timm.layers import LayerNorm, LayerNorm2d, to_2tuple
 from torch import nn
 
-from .activations import ConcatArbitraryActivations, act_fn, act_fn_, activation_name
-from .layout import TokenLayout, autocasting, batch_slice_size, check_grid, split_tokens
-from .rational_gelu import gelu_rational
+from .activations import ConcatArbitraryActivations, act_fn, activation_name
+from .layout import TokenLayout
 from .registry import register_ffn
 
 __all__ = ['IFFN', 'DepthwiseBlock', 'SumOfNonlinearities']
@@ -46,17 +43,12 @@ def _fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     return fused
 
 
-def _activate_(name: str, x: torch.Tensor) -> torch.Tensor:
-    """``phi(x)``, computed in place in ``x`` where torch has an in-place kernel (use the result)."""
-    return act_fn_(name)(x)
-
-
-def _linear_weight(layer: nn.Module) -> torch.Tensor:
+def linear_weight(layer: nn.Module) -> torch.Tensor:
     """(out, in) weight of a Linear or 1x1 Conv2d (viewed, not copied)."""
     return layer.weight.flatten(1)  # (out, in, 1, 1) -> (out, in) for Conv2d
 
 
-def _norm_channels_last(norm: nn.Module, x: torch.Tensor, channels_first: bool) -> torch.Tensor:
+def norm_channels_last(norm: nn.Module, x: torch.Tensor, channels_first: bool) -> torch.Tensor:
     """Apply a norm built for the layer's layout to a channels-last ``(..., C)`` tensor.
 
     timm's LayerNorm2d is an ``nn.LayerNorm`` with the same parameters and math as LayerNorm, so
@@ -137,25 +129,14 @@ class IFFN(nn.Module):
             the spatial part.
         channels_first: input is ``(B, C, H, W)`` (timm's ``use_conv=True``, PoolFormer).
         layout: a shared :class:`TokenLayout` (overrides the three arguments above).
-        deploy: build the inference form directly (no BatchNorm; the depthwise conv carries
-            the folded BN), so checkpoints saved after :meth:`fuse` load into it.
 
-    In the deploy form, inference on the CPU (eval mode, autograd off, e.g. ``torch.inference_mode``, no autocast)
-    takes :meth:`_forward_inference`; training, autograd, autocast and other devices use the readable path below.
-    The inference path is a CPU path: its batch slices keep the wide hidden features in the CPU's caches,
-    and its ``out=`` matmuls are not cast by autocast; on a GPU they cost kernel launches and fp32 math
-    (docs/gpu_speed.md), where the readable path is a few large, autocast-aware kernels.
+    This is the training form, with one forward: the reference computation. :meth:`fuse` returns
+    its inference form, :class:`~vitblocks.layers.IFFNDeployed` (same arguments; build that directly,
+    or a registered model with ``block_cfg={'deploy': True}``, to load a fused checkpoint).
     """
 
-    # Inference path: process the batch in slices of about this many bytes of C'-wide hidden
-    # features; 0 = whole batch. See _forward_inference; set per instance or on the class.
-    inference_chunk_bytes: int = 8 * 2 ** 20
-    # Inference path while torch.compile traces it: exact GELUs through the rational erf of
-    # layers/rational_gelu.py (same function within 3e-7 relative, ~1.7x faster per element in
-    # inductor's CPU kernels); False = torch's GELU. Set per instance or on the class. Needs a torch whose
-    # Dynamo answers is_exporting() truthfully: torch 2.11.0 answers True in every torch.compile (pytorch
-    # issue 176347), and there the eager path is traced instead (torch's GELU); the pinned 2.14.1 answers False.
-    compile_rational_gelu: bool = True
+    deploy = False  # the inference form (IFFNDeployed) says True
+    fold_batchnorm = False  # whether the depthwise block is built with its BatchNorm folded (IFFNDeployed)
 
     def __init__(
             self,
@@ -175,13 +156,15 @@ class IFFN(nn.Module):
             num_prefix_tokens: int = 0,
             channels_first: bool = False,
             layout: Optional[TokenLayout] = None,
-            deploy: bool = False,
             device=None,
             dtype=None,
     ):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        self.deploy = deploy
+        self._init_args = dict(in_features=in_features, hidden_features=hidden_features, out_features=out_features,
+                               act_layer=act_layer, norm_layer=norm_layer, bias=bias, drop=drop,
+                               num_functions=num_functions, spatial_act_layer=spatial_act_layer,
+                               channel_part=channel_part, spatial_part=spatial_part, kernel_size=kernel_size)
         out_features = out_features or in_features
         hidden_features = hidden_features or 4 * in_features
         self.layout = TokenLayout.resolve(layout, grid_size, num_prefix_tokens, channels_first)
@@ -210,7 +193,7 @@ class IFFN(nn.Module):
             self.act = _Activation(base)
             self.norm = nn.Identity()
         self.drop1 = nn.Dropout(drop_probs[0])
-        self.spatial = DepthwiseBlock(hidden_features, kernel_size, spatial_act, deploy=deploy, **dd) \
+        self.spatial = DepthwiseBlock(hidden_features, kernel_size, spatial_act, deploy=self.fold_batchnorm, **dd) \
             if spatial_part else None
         self.fc2 = linear(hidden_features, out_features, bias[1])
         self.norm_out = norm_layer(out_features, **dd)
@@ -238,11 +221,9 @@ class IFFN(nn.Module):
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
         self.layout.set_grid(feat_size)
-        # the inference path is eager-only (in-place kernels looked up by name); TorchScript runs the one below.
-        # Not under autocast: its out= matmuls are not cast (fc2 would run in fp32 under --amp bf16)
-        if (not torch.jit.is_scripting() and self.deploy and x.device.type == 'cpu'
-                and not (self.training or torch.is_grad_enabled() or autocasting(x))):
-            return self._forward_inference(x)
+        return self._forward_reference(x)
+
+    def _forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         x = self.fc1(x)
         x = self.act(x)
         x = self.norm(x)
@@ -254,10 +235,10 @@ class IFFN(nn.Module):
 
     @torch.no_grad()
     def fuse(self) -> 'IFFN':
-        """Return the deploy form: a new IFFN (same train/eval mode) whose depthwise conv carries
-        the folded BatchNorm, sharing this layer's :class:`TokenLayout` object (so grid tracking
-        keeps working). Same outputs as this layer in eval mode; ``self`` is left unchanged;
-        a deploy-form layer returns itself. Model level: ``vitblocks.deploy.reparameterize``.
+        """Return the inference form, an :class:`~vitblocks.layers.IFFNDeployed` (same train/eval mode) whose
+        depthwise conv carries the folded BatchNorm, sharing this layer's :class:`TokenLayout` object (so grid
+        tracking keeps working). Same outputs as this layer in eval mode; ``self`` is left unchanged.
+        Model level: ``vitblocks.deploy.reparameterize``.
 
         Only the BatchNorm is folded. AGeLU's inner scale and shift could go into fc1 only by
         widening it to C' outputs (both copies read the same fc1 output), doubling fc1's MACs
@@ -265,113 +246,18 @@ class IFFN(nn.Module):
         feeds both the conv and its residual, with zero padding at the borders), cannot pass
         exactly into the following layer (docs/iffn_speed.md).
         """
-        if self.deploy:
-            return self
-        fused = copy.deepcopy(self, {id(self.layout): self.layout})  # shares the layout object
-        if fused.spatial is not None:
-            fused.spatial = fused.spatial.fuse()
-        fused.deploy = True
-        return fused.train(self.training)
-
-    def _forward_inference(self, x: torch.Tensor) -> torch.Tensor:
-        """Deploy-form inference: the numbers of :meth:`forward` with fewer passes and copies.
-
-        * Everything runs channels-last ``(..., C)``: tokens as they come, channels-first input
-          viewed as ``(B, H, W, C)``; the depthwise conv reads the hidden tokens through a
-          channels-last ``(B, C', H, W)`` view and returns channels-last, so nothing is transposed.
-        * The N activations are written by broadcasting into one ``(..., N, C'/N)`` buffer and
-          finished in place (no concat copy); the spatial residual is added in place into the
-          patch tokens (prefix tokens stay where they are, no concat).
-        * The batch runs in slices of about 8 MiB of hidden features (``inference_chunk_bytes``),
-          so the C'-wide intermediates stay in cache and the allocator recycles them: fresh tensors
-          of tens of MB are mapped and zero-filled page by page on every allocation, which costs
-          more than the element-wise arithmetic itself. Slicing multiplies the ops (each a
-          fork/join of the intra-op threads): on a dedicated CPU that is cheap (IFFN-S, 2 threads,
-          quiet machine: 0.97x DeiT-S sliced, 1.00x whole batch), on an oversubscribed one it
-          can cost more than it saves (set 0 there; docs/iffn_speed.md).
-        """
-        cf = self.layout.channels_first
-        if cf:
-            if x.ndim != 4:
-                raise ValueError(f'IFFN (channels_first) expects (B, C, H, W), got shape {tuple(x.shape)}')
-            x = x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C), a view
-        elif x.ndim == 3:
-            if self.spatial is not None:  # without a spatial part (LVT's class attention) tokens need no grid
-                check_grid(self.layout, x.shape[1], type(self).__name__)  # fail early, before any compute
-        elif x.ndim != 4:
-            raise ValueError(f'IFFN expects tokens (B, N, C) or a map, got shape {tuple(x.shape)}')
-
-        w2, b2 = _linear_weight(self.fc2), self.fc2.bias
-        step = self._slice_size(x)
-        if step is None:  # the whole batch at once
-            out = F.linear(self._hidden_inference(x), w2, b2)
-        else:
-            out = x.new_empty(x.shape[:-1] + (w2.shape[0],))
-            for i in range(0, x.shape[0], step):
-                hidden = self._hidden_inference(x[i:i + step]).flatten(0, -2)  # (b, ..., C') -> (b*L, C')
-                out_slice = out[i:i + step].view(-1, w2.shape[0])  # contiguous rows of the output
-                if b2 is None:
-                    torch.mm(hidden, w2.t(), out=out_slice)
-                else:
-                    torch.addmm(b2, hidden, w2.t(), out=out_slice)  # fc2, written in place
-        out = _norm_channels_last(self.norm_out, out, cf)
-        return out.permute(0, 3, 1, 2) if cf else out  # (B, H, W, C) -> (B, C, H, W) view
-
-    def _slice_size(self, x: torch.Tensor) -> Optional[int]:
-        """Samples per batch slice of the inference path, None for one slice (``inference_chunk_bytes``)."""
-        chunk_bytes = self.inference_chunk_bytes
-        per_sample = math.prod(x.shape[1:-1]) * self.hidden_features * x.element_size()  # hidden bytes
-        return batch_slice_size(x.shape[0], per_sample, chunk_bytes)
-
-    def _hidden_inference(self, x: torch.Tensor) -> torch.Tensor:
-        """fc1, activations, norm and spatial part of a channels-last slice ``(b, ..., C) -> (b, ..., C')``.
-
-        While torch.compile traces it (not torch.export), the activations are functional (exact GELUs as
-        :func:`gelu_rational` with ``compile_rational_gelu``) and the N copies of fc1's output are
-        one flat ``(..., C')`` tensor: with the ``(..., N, C'/N)`` broadcast below, inductor stored
-        the rational GELU's output channel-major and the LayerNorm read it across (docs/iffn_speed.md).
-        """
-        h = F.linear(x, _linear_weight(self.fc1), self.fc1.bias)  # (..., C) -> (..., C'/N)
-        cf = self.layout.channels_first
-        # torch.export traces through here too: an exported program keeps torch's GELU op (ONNX Gelu)
-        compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-        activate = self._activate_compiled if compiling else _activate_
-        if self.channel_part and compiling:
-            a = self.act
-            h = h.repeat(*([1] * (h.ndim - 1)), a.num_functions)  # (..., C'/N) -> (..., C'): N copies, concat order
-            u = torch.addcmul(a.gamma.flatten(), a.alpha.flatten(), h)  # (N, C'/N) -> (C'), Eq. 3 inside
-            u = torch.addcmul(a.theta.flatten(), a.beta.flatten(), activate(a.base, u))  # Eq. 3 outside
-            y = _norm_channels_last(self.norm, u, cf)
-        elif self.channel_part:
-            a = self.act
-            u = torch.addcmul(a.gamma, a.alpha, h.unsqueeze(-2))  # (..., 1, C'/N) -> (..., N, C'/N), Eq. 3 inside
-            u = _activate_(a.base, u)
-            torch.addcmul(a.theta, a.beta, u, out=u)  # Eq. 3 outside, in place
-            y = _norm_channels_last(self.norm, u.flatten(-2), cf)  # (..., N, C'/N) -> (..., C'): Eq. 5 concat
-        else:
-            y = activate(self.act.name, h)
-        if self.spatial is None:
-            return y
-        if y.ndim == 3:  # tokens: patch tokens as a (b, C', H, W) channels-last view, prefix left out
-            _, fmap = split_tokens(y, self.layout, type(self).__name__)
-        else:
-            fmap = y.permute(0, 3, 1, 2)  # (b, H, W, C') -> (b, C', H, W) view
-        z = self.spatial.conv(fmap)  # BN folded into the conv; channels-last (b, C', H, W)
-        # the activation on the standard-contiguous (b, H, W, C') view of the same memory: torch's
-        # element-wise kernels run ~1.4x slower on the channels-last 4D strides (docs/iffn_speed.md)
-        z = activate(self.spatial.act_name, z.permute(0, 2, 3, 1))  # (b, C', H, W) -> (b, H, W, C') view
-        fmap.add_(z.permute(0, 3, 1, 2))  # residual, in place in y; (b, H, W, C') -> (b, C', H, W) view
-        return y
-
-    def _activate_compiled(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``phi(x)`` for a compiled graph: functional, the exact GELU as :func:`gelu_rational` if chosen."""
-        if name == 'gelu' and self.compile_rational_gelu:
-            return gelu_rational(x)
-        return act_fn(name)(x)
+        from .iffn_deployed import IFFNDeployed  # the deployed form builds on this class
+        w = self.fc2.weight
+        deployed = IFFNDeployed(**self._init_args, layout=self.layout, device=w.device, dtype=w.dtype)
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith('spatial.')}
+        if self.spatial is not None:
+            state.update({f'spatial.{k}': v for k, v in self.spatial.fuse().state_dict().items()})
+        deployed.load_state_dict(state)  # strict: the deployed form has exactly these parameters
+        return deployed.train(self.training)
 
     def extra_repr(self) -> str:
         return (f'hidden_features={self.hidden_features}, channel_part={self.channel_part}, '
-                f'spatial_part={self.spatial_part}{", deploy=True" if self.deploy else ""}')
+                f'spatial_part={self.spatial_part}')
 
 
 class _Activation(nn.Module):

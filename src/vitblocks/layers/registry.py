@@ -6,6 +6,10 @@ accepts ``layout=TokenLayout(...)``, which tells it the token layout of its back
 Adding a block: write the layer, decorate it with ``@register_ffn('name')``; surgery,
 registry tests and profiling then pick it up.
 
+A block with a separate inference form (``fuse()`` returns it) registers that class with
+:func:`register_deployed_form`; ``create_ffn(name, ..., deploy=True)`` (and so a registered model's
+``block_cfg={'deploy': True}``) then builds the inference form directly, so fused checkpoints load.
+
 ``inherits`` names the constructor knobs that mean the same thing in the block and in the MLP
 it replaces, so that ``swap_ffn`` carries the replaced MLP's value over unless the caller sets
 it: ``'drop'`` (the MLP's two dropout rates) and ``'act_layer'`` where the block's activation
@@ -19,10 +23,12 @@ from typing import Callable, Dict, Optional, Tuple
 from torch import nn
 
 
-__all__ = ['register_ffn', 'create_ffn', 'list_ffns', 'FFN_REGISTRY', 'FFN_INHERITS']
+__all__ = ['register_ffn', 'register_deployed_form', 'create_ffn', 'list_ffns', 'FFN_REGISTRY', 'FFN_INHERITS',
+           'FFN_DEPLOYED']
 
 FFN_REGISTRY: Dict[str, Callable[..., nn.Module]] = {}
 FFN_INHERITS: Dict[str, Tuple[str, ...]] = {}  # name -> knobs swap_ffn carries over from the replaced MLP
+FFN_DEPLOYED: Dict[str, Callable[..., nn.Module]] = {}  # name -> its inference form, built by deploy=True
 _INHERITABLE = ('drop', 'act_layer')
 
 
@@ -42,6 +48,13 @@ def register_ffn(name: str, inherits: Tuple[str, ...] = ()):
     return wrap
 
 
+def register_deployed_form(name: str, cls: Callable[..., nn.Module]) -> None:
+    """Record ``cls`` as the inference form of the registered FFN ``name`` (same constructor arguments)."""
+    if name not in FFN_REGISTRY:
+        raise ValueError(f'FFN {name!r} is not registered; register it before its deployed form')
+    FFN_DEPLOYED[name] = cls
+
+
 def list_ffns():
     """Names of the registered FFNs (``swap_ffn(model, name)`` / ``create_ffn(name, ...)``), sorted."""
     return sorted(FFN_REGISTRY)
@@ -54,8 +67,11 @@ def create_ffn(name: str, in_features: int, hidden_features: Optional[int] = Non
         close = difflib.get_close_matches(name, FFN_REGISTRY, n=3)
         hint = f'; did you mean {", ".join(close)}?' if close else ''
         raise ValueError(f'unknown FFN {name!r}{hint} (available: {", ".join(list_ffns())})')
+    builder = FFN_REGISTRY[name]
+    if name in FFN_DEPLOYED and 'deploy' in kwargs:  # the builder itself has no deploy argument
+        builder = FFN_DEPLOYED[name] if kwargs.pop('deploy') else builder
     _check_arguments(name, kwargs)
-    return FFN_REGISTRY[name](in_features, hidden_features, out_features, layout=layout, **kwargs)
+    return builder(in_features, hidden_features, out_features, layout=layout, **kwargs)
 
 
 def _check_arguments(name: str, kwargs: Dict) -> None:
@@ -68,4 +84,6 @@ def _check_arguments(name: str, kwargs: Dict) -> None:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=3)
             hint = f'did you mean {", ".join(close)}? ' if close else ''
+            if name in FFN_DEPLOYED:
+                known.append('deploy')
             raise TypeError(f'FFN {name!r} has no argument {key!r}; {hint}(its arguments: {", ".join(known[3:])})')

@@ -44,7 +44,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from ..layers import IFFN, RePaDeployedFFN, RePaFFN
+from ..layers import IFFN, IFFNDeployed, RePaDeployedFFN, RePaFFN
 
 __all__ = ['AUTHORS_LAYOUTS', 'AUTHORS_MODELS', 'AuthorsCheckpointError', 'accept_authors_checkpoints',
            'checkpoint_filter_fn', 'convert_authors_state_dict', 'detect_authors_layout']
@@ -132,7 +132,7 @@ def _check_model(model: nn.Module, layout: str) -> None:
     """Fail early, with the fix, where the model cannot compute the authors' function."""
     name = 'RePaViT' if layout == 'repavit' else 'IFFN DeiT'
     mlp = model.blocks[0].mlp if len(getattr(model, 'blocks', ())) else None
-    if isinstance(mlp, RePaDeployedFFN) or (isinstance(mlp, IFFN) and mlp.deploy):
+    if isinstance(mlp, (RePaDeployedFFN, IFFNDeployed)):
         raise AuthorsCheckpointError(
             f"this is an authors' {name} checkpoint, the training form (BatchNorm statistics); the model is built in "
             f'deploy form: build it without block_cfg deploy=True, load, then vitblocks.deploy.reparameterize '
