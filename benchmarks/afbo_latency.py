@@ -71,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument('--layer-repeats', type=int, default=20,
                    help='timed calls per FFN / channel map in parts 2 and 3 (default 20; 0 skips them)')
     p.add_argument('--chunk-bytes', type=int,
-                   help=f'AFBODeployed.inference_chunk_bytes (default {AFBODeployed.inference_chunk_bytes}; 0 = whole batch at once)')
+                   help=f'AFBODeployed.inference_chunk_bytes (default {AFBODeployed.inference_chunk_bytes}; '
+                        f'0 = whole batch at once)')
     p.add_argument('--chunk-max-threads', type=int,
                    help=f'AFBODeployed.inference_chunk_max_threads: slice only with at most this many threads '
                         f'(default {AFBODeployed.inference_chunk_max_threads})')
@@ -184,8 +185,9 @@ def main(argv=None):
     load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan')
     print(f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {load:.1f}; '
           f'torch {torch.__version__}, {args.threads} thread(s), {allocator}, AFBODeployed.inference_chunk_bytes '
-          f'{AFBODeployed.inference_chunk_bytes} per thread' + (f' up to {AFBODeployed.inference_chunk_max_threads} thread(s)'
-                                              if AFBODeployed.inference_chunk_max_threads else ''))
+          f'{AFBODeployed.inference_chunk_bytes} per thread'
+          + (f' up to {AFBODeployed.inference_chunk_max_threads} thread(s)'
+             if AFBODeployed.inference_chunk_max_threads else ''))
     torch.manual_seed(0)
     end_to_end(args)
     if args.layer_repeats:

@@ -62,7 +62,8 @@ TARGETS = {'iffn_deit_tiny_patch16_224': 1.00, 'iffn_deit_small_patch16_224': 1.
            'afbo_poolformer_s12': 0.88, 'afbo_poolformer_s24': 0.87, 'afbo_swin_tiny_patch4_window7_224': 0.81,
            'repa_deit_base_patch16_224': 1.60}
 PAPER = {'afbo_poolformer_s12': '0.88 (AFBO Table 2)', 'afbo_poolformer_s24': '0.87 (AFBO Table 2)',
-         'afbo_swin_tiny_patch4_window7_224': '0.81 (AFBO Table 2)', 'repa_deit_base_patch16_224': '1.67 (RePa Table 1)'}
+         'afbo_swin_tiny_patch4_window7_224': '0.81 (AFBO Table 2)',
+         'repa_deit_base_patch16_224': '1.67 (RePa Table 1)'}
 FFN_CASES = ('iffn_deit_tiny_patch16_224', 'iffn_deit_small_patch16_224', 'iffn_deit_base_patch16_224',
              'afbo_deit_tiny_patch16_224', 'afbo_poolformer_s12')
 
@@ -127,7 +128,8 @@ def step_env(args) -> dict:
 
 
 def step_kernels(args) -> str:
-    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', str(ROOT / 'tests' / 'test_fused_kernels.py')]
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+           str(ROOT / 'tests' / 'test_fused_kernels.py')]
     if args.tiny:  # the rehearsal: one kernel test is enough to show the step works
         cmd += ['-k', 'test_dwconv_act_residual_without_bias']
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -209,7 +211,8 @@ def step_ffn(args) -> dict:
             with fp32_precision(mode) as precision, autocast:
                 ms = time_calls(fns, args.device, max(args.warmup, 1), args.repeats)
             rows.append(dict(model=name, layer=qualname, input_shape=list(x.shape), setting=setting,
-                             precision=precision, ms=ms, fused_vs_mlp=ms['vanilla Mlp'] / ms['fused kernels (deployed)']))
+                             precision=precision, ms=ms,
+                             fused_vs_mlp=ms['vanilla Mlp'] / ms['fused kernels (deployed)']))
         torch._dynamo.reset()
     return {'rows': rows}
 
@@ -247,7 +250,8 @@ def step_summary(out: Path) -> str:
     if (out / 'models.json').exists():
         rows = json.loads((out / 'models.json').read_text())['rows']
         lines += ['## Whole models: throughput vs the vanilla model (same run, batch %d)' % rows[0]['batch_size'], '',
-                  '| model | vs | fp32 (TF32) | fp32 (strict) | bf16 | target | paper |', '| --- | --- | ---: | ---: | ---: | ---: | --- |']
+                  '| model | vs | fp32 (TF32) | fp32 (strict) | bf16 | target | paper |',
+                  '| --- | --- | ---: | ---: | ---: | ---: | --- |']
         for name in [r['model'] for r in rows if r['setting'] == 'tf32' and r['model'] != r['baseline']]:
             ratio = {r['setting']: r['throughput_vs_baseline'] for r in rows if r['model'] == name}
             base = next(r['baseline'] for r in rows if r['model'] == name)

@@ -350,7 +350,7 @@ def main(argv=None):
           f'(eval + torch.inference_mode), {args.warmup} warm-up + {args.repeats} timed batches per model, interleaved')
     print(f'MACs per image: {macs_iffn / 1e9:.3f} G vs {macs_base / 1e9:.3f} G = {macs_iffn / macs_base:.3f}x; '
           f'deployed vs training form: max relative difference {rel:.1e}')
-    chunk = args.chunk_bytes if args.chunk_bytes is not None else IFFN.inference_chunk_bytes
+    chunk = args.chunk_bytes if args.chunk_bytes is not None else IFFNDeployed.inference_chunk_bytes
     print('deployed IFFN: BN folded, inference path, '
           + (f'batch slices of {chunk / 2 ** 20:.1f} MiB of hidden features\n' if chunk else 'whole batch at once\n'))
 

@@ -14,8 +14,7 @@
 #      diverged one also with clip_grad=1.0 (scripts/table1_rechecks.py)  -> runs/gpu-t1-{fp32,clip}
 #      then each run finished on this machine evaluated through its training augmentation, as the
 #      authors' script evaluates (vitblocks eval --train-augment 3)      -> RUN/eval_train_augment.json
-#   2. issue 15, the check of docs/gpu_speed.md's IFFN/AFBO hypothesis (scripts/gpu_profile15.py)
-#                                                                                 -> runs/profile15/*.txt
+#   2. the GPU check of the fused IFFN/AFBO kernels (benchmarks/gpu_check.py)      -> runs/gpu_check/
 #   3. issue 15, the speed sweep (scripts/gpu_issue15.py), resuming the committed runs still valid
 #                                                                                 -> runs/gpu15
 # Why one background job: the device tool ends a call's processes when the call returns, except a new
@@ -32,11 +31,11 @@
 # - 75 (what it packed must come back before the time runs out). A longer one: repeat until "lease job: done",
 # the last call likewise ending a minute before the time runs out.
 # Each call leaves in $OUT (or .): results.tgz (Table 1 and its rechecks: config, metrics, results and log of
-# each run, no checkpoints), gpu15.tgz (the sweep's JSON files and table), profile15.tgz and lease.log.
+# each run, no checkpoints), gpu15.tgz (the sweep's JSON files and table), gpu_check.tgz and lease.log.
 # On a fresh machine (a later lease) put the earlier results.tgz
 # and gpu15.tgz in .gpu_state/ and carry it: finished runs are reused; unfinished Table 1 runs start over
 # (a run's checkpoint, ~32 MB, does not fit what the device tool brings back).
-# Dry run on a CPU (tests/test_gpu_lease.py): T1_FLAGS, SWEEP_FLAGS and PROFILE_FLAGS replace the GPU flags.
+# Dry run on a CPU (tests/test_gpu_lease.py): T1_FLAGS, SWEEP_FLAGS and CHECK_FLAGS replace the GPU flags.
 # Then, here: docs/training.md ("Issue 10 on one GPU") and docs/gpu_speed.md ("Resuming") say what to run.
 set -u
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -68,9 +67,8 @@ recheck_min=${RECHECK_MIN:-300}
 # benchmarked on the GPU (tests/test_on_device.py); their CPU cases are deselected
 cuda_tests=${CUDA_TESTS:-"tests/test_scale.py tests/test_on_device.py -k cuda"}
 sweep_flags=${SWEEP_FLAGS:-"--device cuda"}
-profile_flags=${PROFILE_FLAGS:-"--device cuda"}
+check_flags=${CHECK_FLAGS:-"--device cuda"}  # CHECK_FLAGS=none: no GPU check
 eval_flags=${EVAL_FLAGS:-"--device cuda"}
-profile_models=${PROFILE_MODELS:-"iffn_deit_small_patch16_224 iffn_deit_small_patch16_224:bf16 afbo_poolformer_s12"}
 
 # CUDA MPS for Table 1 (T1_MPS=0: off). Without it the GPU gives each process's kernels their own time slices, so
 # eight runs of these small models, each leaving most of the GPU idle, went no faster together than one alone
@@ -203,15 +201,10 @@ job() {  # the background job: each step in turn, whatever the one before it lef
   wait
   echo "$(date -u +%T) evaluated $n run(s) through the training augmentation" >> runs/lease.log
   mps_stop
-  mkdir -p runs/profile15
-  for spec in $profile_models; do  # model[:bf16]
-    model=${spec%%:*}; amp=(); name=$model
-    [ "$spec" != "$model" ] && amp=(--amp "${spec#*:}") && name=$model-${spec#*:}
-    [ -s runs/profile15/$name.txt ] || \
-      $python scripts/gpu_profile15.py "$model" "${amp[@]}" $profile_flags > runs/profile15/$name.txt 2>&1
-    rc=$?
-    echo "$(date -u +%T) profile $name exit $rc" >> runs/lease.log
-  done
+  if [ "$check_flags" != none ]; then  # resumes: the steps whose files exist are skipped
+    $python benchmarks/gpu_check.py --out runs/gpu_check $check_flags >> runs/gpu_check.log 2>&1
+    echo "$(date -u +%T) GPU check exit $?" >> runs/lease.log
+  fi
   $python scripts/gpu_issue15.py --out runs/gpu15 $sweep_flags >> runs/gpu15.log 2>&1
   rc=$?
   if [ $rc = 2 ] && tail -1 runs/gpu15.log | grep -q 'holds runs measured on another setup'; then
@@ -316,6 +309,6 @@ cat runs/gpu-t1-env.txt
 out=${OUT:-.}
 tar czf "$out/results.tgz" --exclude='*.pth' --exclude='tensorboard' runs/gpu-t1* 2> /dev/null  # + rechecks
 tar czf "$out/gpu15.tgz" runs/gpu15 runs/gpu15.log 2> /dev/null
-tar czf "$out/profile15.tgz" runs/profile15 2> /dev/null
+tar czf "$out/gpu_check.tgz" runs/gpu_check runs/gpu_check.log 2> /dev/null
 cp runs/lease.log "$out/lease.log"
 if [ -e runs/lease.done ]; then echo "lease job: done"; else echo "lease job: still running; call again at once"; fi

@@ -41,7 +41,7 @@ def test_iffn_slices_refuses_bad_arguments(benchmarks_on_path, capsys, args, mes
 
 def test_iffn_slices_needs_an_iffn_model(benchmarks_on_path):
     import iffn_slices
-    match = r'deit_tiny_patch16_224: its first FFN \(blocks.0.mlp\) is a Mlp, not an IFFN'
+    match = r'deit_tiny_patch16_224: its first FFN \(blocks.0.mlp\) is a Mlp, not a deployed IFFN'
     with pytest.raises(SystemExit, match=match):
         iffn_slices.main(['--models', 'deit_tiny_patch16_224', 'deit_tiny_patch16_224', '--batch-size', '1'])
 

@@ -168,25 +168,6 @@ def test_resuming_on_another_setup_is_refused(tmp_path, capsys):
     assert 'give a fresh --out' in err and (tmp_path / 'gpu15/env.json').read_text() == before
 
 
-def test_profile_script_compares_sliced_whole_batch_and_dispatched(monkeypatch, capsys):
-    """scripts/gpu_profile15.py (the next GPU lease's check of docs/gpu_speed.md's hypothesis) on the CPU: the
-    inference path with the layer's slice budget (made tiny here so that a 32 px batch of 4 is cut into 4
-    slices), then on the whole batch, then the forward as dispatched (on the CPU: the sliced path again)."""
-    import gpu_profile15
-    from vitblocks.layers import IFFN
-    monkeypatch.setattr(IFFN, 'inference_chunk_bytes', 4096)
-    assert gpu_profile15.main(['iffn_deit_tiny_patch16_224', '--device', 'cpu', '--img-size', '32', '--batch', '4',
-                               '--repeats', '1']) == 0
-    out = capsys.readouterr().out
-    assert ('first IFFN, input (4, 4, 192), fp32, inference path, slice budget 0.00390625 MiB: 4 batch slice(s), '
-            '0 CUDA kernels') in out
-    assert 'slice budget 0 MiB: 1 batch slice(s)' in out and out.count('Self CPU time total') == 3
-    assert 'forward as dispatched: 4 batch slice(s)' in out  # on the CPU the sliced inference path
-    with pytest.raises(SystemExit):
-        gpu_profile15.main(['deit_tiny_patch16_224', '--device', 'cpu', '--img-size', '32', '--batch', '1'])
-    assert 'has no IFFN or AFBO module; give an iffn_* or afbo_* model' in capsys.readouterr().err
-
-
 @pytest.mark.slow
 def test_the_one_command_on_the_cpu(tmp_path):
     """bash scripts/gpu_issue15.sh with a CPU dry run: results, table and tarball; a second call resumes."""

@@ -2,7 +2,7 @@
 
 The job must outlive the call that started it (the device tool ends a call's processes, not a new
 process session's), a second call must watch the running job instead of starting another, and the
-packed results must hold every step: Table 1's eight runs and their rechecks, the profile and the sweep. Slow: eight
+packed results must hold every step: Table 1's eight runs and their rechecks, the GPU check and the sweep. Slow: eight
 training processes and the sweep's models on two CPU cores.
 """
 import json
@@ -48,8 +48,8 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
            'T1_FLAGS': '--device cpu --data-root data --threads 1 --max-steps 1 --set progress=none tensorboard=false',
            'SWEEP_FLAGS': '--device cpu --img-size 32 --batches 1 --precisions fp32 --compile eager --warmup 0 '
                           '--repeats 1 --groups deit_tiny',
-           'PROFILE_FLAGS': '--device cpu --img-size 32 --batch 2 --repeats 1',
-           'PROFILE_MODELS': 'iffn_deit_tiny_patch16_224', 'T1_SEED': '',  # the committed GPU runs: not these runs'
+           'CHECK_FLAGS': '--device cpu --tiny --models iffn_deit_tiny_patch16_224 --steps env models summary',
+           'TRITON_INTERPRET': '1', 'T1_SEED': '',  # the committed GPU runs: not these runs'
            'EVAL_FLAGS': '--device cpu --threads 1', 'T1_TIME_LIMIT': '3000'}  # every wave starts, slow CPU or not
 
     def call(seconds):
@@ -84,7 +84,7 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     # and their report is packed
     assert 'cuda tests exit 0' in log
     assert '32 skipped' in (tmp_path / 'runs/gpu-t1-cudatests.txt').read_text()
-    assert 'profile iffn_deit_tiny_patch16_224 exit 0' in log and 'sweep exit 0' in log
+    assert 'GPU check exit 0' in log and 'sweep exit 0' in log
     # the committed H100 sweep was seeded in, refused on this other setup, and set aside, not mixed in
     assert (tmp_path / 'runs/gpu15-other-setup/env.json').is_file()
     assert json.loads((tmp_path / 'runs/gpu15/env.json').read_text())['img_size'] == 32
@@ -121,9 +121,9 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     assert '  stopped: ' not in second.stdout
     with tarfile.open(tmp_path / 'out/gpu15.tgz') as tar:
         assert 'runs/gpu15/fp32-eager-b1/deit_tiny.json' in tar.getnames()
-    with tarfile.open(tmp_path / 'out/profile15.tgz') as tar:
-        profile = tar.extractfile('runs/profile15/iffn_deit_tiny_patch16_224.txt').read().decode()
-    assert 'batch slice(s)' in profile and 'per forward' in profile, profile
+    with tarfile.open(tmp_path / 'out/gpu_check.tgz') as tar:
+        summary = tar.extractfile('runs/gpu_check/summary.md').read().decode()
+    assert '| iffn_deit_tiny_patch16_224 | deit_tiny_patch16_224 |' in summary, summary
     third = call(5)  # nothing left: no new job
     assert 'lease job finished in an earlier call' in third.stdout
     assert (tmp_path / 'runs/lease.log').read_text().count('lease job started') == 1
@@ -201,7 +201,7 @@ def test_a_late_machine_skips_table1_for_the_speed_sweep(tmp_path):
         (tmp_path / d).symlink_to(ROOT / d)
     (tmp_path / 'out').mkdir()
     env = {**os.environ, 'OUT': str(tmp_path / 'out'), 'PYTHON': sys.executable, 'T1_TIME_LIMIT': '200',
-           'T1_SEED': '', 'PROFILE_MODELS': ' ',
+           'T1_SEED': '', 'CHECK_FLAGS': 'none',
            'SWEEP_FLAGS': '--device cpu --img-size 32 --batches 1 --precisions fp32 --compile eager --warmup 0 '
                           '--repeats 1 --groups deit_tiny'}
     out = subprocess.run(['bash', 'scripts/gpu_lease.sh', '600'], cwd=tmp_path, env=env, capture_output=True,
@@ -228,7 +228,7 @@ def test_a_15_minute_lease_runs_table1_in_waves_the_init_ablation_first(tmp_path
     started with less than T1_MIN left."""
     lease = _lease_dir(tmp_path)
     python, calls = _fake_python(tmp_path)
-    env = {**os.environ, 'PYTHON': python, 'T1_MPS': '0', 'PROFILE_MODELS': ' ', 'CUDA_TESTS': 'none',
+    env = {**os.environ, 'PYTHON': python, 'T1_MPS': '0', 'CHECK_FLAGS': 'none', 'CUDA_TESTS': 'none',
            'LEASE_SECONDS': '305', 'T1_MIN': '1'}
     out = subprocess.run(['bash', 'scripts/gpu_lease.sh', '60'], cwd=lease, env=env, capture_output=True, text=True,
                          timeout=120, stdin=subprocess.DEVNULL)

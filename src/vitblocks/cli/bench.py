@@ -61,8 +61,9 @@ def add_parser(subparsers) -> None:
                    help='input size (default: what the model was built for, usually 3 224 224)')
     add_model_size_args(p)
     p.add_argument('--reparam', action='store_true',
-                   help='deploy every model first with timm.utils.reparameterize_model (calls fuse(); IFFN folds '
-                        'its BatchNorm into the depthwise conv)')
+                   help='deploy every model first with timm.utils.reparameterize_model (calls fuse(): IFFN and AFBO '
+                        'become IFFNDeployed / AFBODeployed, with their fast CPU path and fused CUDA kernels; IFFN '
+                        'folds its BatchNorm into the depthwise conv)')
     p.add_argument('--weights', metavar='PATH',
                    help='a deployed safetensors file of MODEL (vitblocks.deploy.io.save_deployed); implies --reparam')
     p.add_argument('--train', action='store_true', help='time forward + backward in train mode')

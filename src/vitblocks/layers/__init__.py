@@ -17,15 +17,16 @@ from .afbo_deployed import AFBODeployed
 from .ffn_counterparts import ConvGLU, ConvNeXtFFN, LocalViTFFN, glu, group_ffn, swiglu
 from .scheme import SCHEME
 
-__all__ = ['ACTIVATIONS', 'AGeLU', 'ArbitraryActivation', 'ConcatArbitraryActivations', 'activation_name', 'create_act',
-           'get_base_activation', 'timm_mlp', 'IFFN', 'IFFNDeployed', 'DepthwiseBlock', 'SumOfNonlinearities', 'RationalGELU',
-           'erf_rational', 'gelu_rational', 'TokenLayout', 'apply_spatial', 'check_grid', 'merge_tokens',
-           'split_tokens', 'FFN_INHERITS', 'FFN_REGISTRY', 'create_ffn', 'list_ffns', 'register_ffn', 'RePaDeployedFFN',
-           'RePaFFN', 'TokenBatchNorm', 'active_channels', 'repa_ffn', 'GATED_VALUE_ACTIVATIONS', 'VALUE_ACTIVATIONS',
-           'ParallelBlock', 'ValueActivationAttention', 'LocalityFFN', 'MixerGatingUnit', 'DenseChannelMap',
-           'GroupedChannelMap', 'GroupedCrossChannelMap', 'OverlappedCycleChannelMap', 'create_channel_map', 'AFBO', 'AFBODeployed',
-           'SpatialAttention', 'afbo_full', 'afbo_grouped', 'scfbo_gc', 'scfbo_oc', 'ConvGLU', 'ConvNeXtFFN',
-           'LocalViTFFN', 'glu', 'group_ffn', 'swiglu', 'SCHEME']
+__all__ = ['ACTIVATIONS', 'AGeLU', 'ArbitraryActivation', 'ConcatArbitraryActivations', 'activation_name',
+           'create_act', 'get_base_activation', 'timm_mlp', 'IFFN', 'IFFNDeployed', 'DepthwiseBlock',
+           'SumOfNonlinearities', 'RationalGELU', 'erf_rational', 'gelu_rational', 'TokenLayout', 'apply_spatial',
+           'check_grid', 'merge_tokens', 'split_tokens', 'FFN_INHERITS', 'FFN_REGISTRY', 'create_ffn', 'list_ffns',
+           'register_ffn', 'RePaDeployedFFN', 'RePaFFN', 'TokenBatchNorm', 'active_channels', 'repa_ffn',
+           'GATED_VALUE_ACTIVATIONS', 'VALUE_ACTIVATIONS', 'ParallelBlock', 'ValueActivationAttention',
+           'LocalityFFN', 'MixerGatingUnit', 'DenseChannelMap', 'GroupedChannelMap', 'GroupedCrossChannelMap',
+           'OverlappedCycleChannelMap', 'create_channel_map', 'AFBO', 'AFBODeployed', 'SpatialAttention',
+           'afbo_full', 'afbo_grouped', 'scfbo_gc', 'scfbo_oc', 'ConvGLU', 'ConvNeXtFFN', 'LocalViTFFN', 'glu',
+           'group_ffn', 'swiglu', 'SCHEME']
 
 # torch.fx: these layers branch in Python on their input's layout (tokens, channels-first or
 # channels-last maps; the grid of their TokenLayout) or on autograd state, which symbolic tracing
@@ -34,6 +35,6 @@ __all__ = ['ACTIVATIONS', 'AGeLU', 'ArbitraryActivation', 'ConcatArbitraryActiva
 # leaf modules that run eagerly inside the traced graph, as timm does with its own such layers.
 from timm.layers import register_notrace_module as _register_notrace_module
 
-for _cls in (IFFN, IFFNDeployed, SumOfNonlinearities, AFBO, AFBODeployed, ConvGLU, ConvNeXtFFN, LocalViTFFN, LocalityFFN, MixerGatingUnit,
-             RePaFFN, RePaDeployedFFN, ValueActivationAttention, SCHEME):
+for _cls in (IFFN, IFFNDeployed, SumOfNonlinearities, AFBO, AFBODeployed, ConvGLU, ConvNeXtFFN, LocalViTFFN,
+             LocalityFFN, MixerGatingUnit, RePaFFN, RePaDeployedFFN, ValueActivationAttention, SCHEME):
     _register_notrace_module(_cls)

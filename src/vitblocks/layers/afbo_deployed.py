@@ -10,7 +10,7 @@ kernels by device, for the structures with a fast path (:meth:`AFBODeployed.has_
   in the input's own layout, then both depthwise convs, the activation and the product in one
   Triton kernel, and fc2 in cuBLAS writing the input's layout (:meth:`_forward_fused`,
   :mod:`vitblocks.kernels.afbo`);
-* anything else (training mode, autograd, another device, ``torch.compile`` on a GPU, TorchScript,
+* anything else (training mode, autograd, another device, ``torch.compile``, TorchScript,
   ``torch.export``, other structures): the reference ops of :meth:`AFBO.forward`.
 """
 from typing import List, Optional
@@ -51,8 +51,10 @@ class AFBODeployed(AFBO):
         # path's Python loop over batch slices would fix the batch size)
         if not torch.jit.is_scripting():
             if not (self.training or torch.is_grad_enabled()) and self.has_fast_path():
-                if x.device.type == 'cpu' and not autocasting(x) and not torch.compiler.is_exporting():
-                    return self._forward_cpu(x)  # not under autocast: its out= matmuls would stay fp32
+                # not under autocast (its out= matmuls would stay fp32), nor while torch.compile traces (dynamo
+                # cannot trace out= into strided views; inductor fuses the reference ops itself)
+                if x.device.type == 'cpu' and not autocasting(x) and not torch.compiler.is_compiling():
+                    return self._forward_cpu(x)
                 if kernels_usable(x):
                     return self._forward_fused(x)
         return self._forward_reference(x)
@@ -153,10 +155,12 @@ class AFBODeployed(AFBO):
         out = rows.new_empty(B, N, self.out_features)
         hid = self.hidden_features
         per_image = N * hid * rows.element_size()
-        threads = torch.get_num_threads()
-        limit = self.inference_chunk_max_threads
-        budget = self.inference_chunk_bytes * threads if limit is None or threads <= limit else 0
-        step = batch_slice_size(B, per_image, budget) or B
+        step = B  # the whole batch while torch.compile traces (a compiler plans memory itself)
+        if not torch.compiler.is_compiling():  # dynamo cannot trace get_num_threads (a graph break)
+            threads = torch.get_num_threads()
+            limit = self.inference_chunk_max_threads
+            budget = self.inference_chunk_bytes * threads if limit is None or threads <= limit else 0
+            step = batch_slice_size(B, per_image, budget) or B
         w_left, w_right = self.left_map.bmm_weight(), self.right_map.bmm_weight()
         buf_left, buf_right = rows.new_empty(step * N, hid), rows.new_empty(step * N, hid)
         w2, b2 = self.fc2.weight, self.fc2.bias

@@ -120,7 +120,7 @@ class ChannelMap(nn.Module):
         self.check_width(x)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)  # (..., d) -> (T, d); a view for contiguous input
-        if torch.is_grad_enabled() or autocasting(rows):
+        if torch.is_grad_enabled() or autocasting(rows) or torch.compiler.is_compiling():  # dynamo: no strided out=
             y = self._matmul_autograd(rows)
         else:
             y = self.forward_into(rows, rows.new_empty(rows.shape[0], self.out_features))
