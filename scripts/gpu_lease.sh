@@ -203,7 +203,8 @@ job() {  # the background job: each step in turn, whatever the one before it lef
   mps_stop
   if [ "$check_flags" != none ]; then  # resumes: the steps whose files exist are skipped
     $python benchmarks/gpu_check.py --out runs/gpu_check $check_flags >> runs/gpu_check.log 2>&1
-    echo "$(date -u +%T) GPU check exit $?" >> runs/lease.log
+    rc=$?
+    echo "$(date -u +%T) GPU check exit $rc" >> runs/lease.log
   fi
   $python scripts/gpu_issue15.py --out runs/gpu15 $sweep_flags >> runs/gpu15.log 2>&1
   rc=$?

@@ -41,7 +41,7 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
                      num_classes=10)
         write_shards(tmp_path / 'data' / name, 'test', n=32, per_shard=32, size=size, channels=channels,
                      num_classes=10, seed=1)
-    for d in ('src', 'scripts', 'docs', 'tests'):
+    for d in ('src', 'scripts', 'docs', 'tests', 'benchmarks'):
         (tmp_path / d).symlink_to(ROOT / d)
     (tmp_path / 'out').mkdir()
     env = {**os.environ, 'OUT': str(tmp_path / 'out'), 'PYTHON': sys.executable,

@@ -20,7 +20,7 @@ from .common import CliError, positive_float, positive_int, render_table
 NAME = 'reproduce'
 TARGETS = ('ninformer-table1', 'cifar10-blocks')
 _NINFORMER_ONLY = ('datasets', 'models', 'dropout', 'no_train', 'ablation', 'ablations_first')
-_BLOCKS_ONLY = ('configs', 'seeds', 'no_latency', 'latency_batch', 'repeats')
+_BLOCKS_ONLY = ('configs', 'seeds', 'no_latency', 'latency_batch', 'repeats', 'plan', 'archive')
 
 EPILOG = """\
 examples:
@@ -34,6 +34,8 @@ examples:
   vitblocks reproduce ninformer-table1 --jobs 8 --time-limit 1500 --ablation torchinit cifar10/NiNformer \
       'model_kwargs={block_cfg: {init: torch}}' --ablation seed1 cifar10/ViT seed=1   # beside, paused first
   vitblocks reproduce cifar10-blocks --configs vanilla,repa --seeds 0 --max-steps 20 --threads 2
+  vitblocks reproduce cifar10-blocks --plan evidence --device cuda --jobs 16 --time-limit 3000 \
+      --archive evidence.tgz          # a job with a wall-clock limit; run it again in the next job to resume
 
 ninformer-table1: NiNformer's Table 1 (ViT, MlpMixer, LocalViT, NiNformer; --models takes row
 labels or model names, any case). Datasets are looked up as <data root>/mnist, /cifar10, /cifar100
@@ -42,7 +44,12 @@ its column stays empty unless a cifar100 folder exists.
 cifar10-blocks: nine configurations of one small ViT (vanilla, iffn, afbo, swiglu, repa,
 mabvit_glu, mabvit_parallel, mabvit_glu_parallel, ninformer) x seeds 0,1,2 on <data root>/cifar10
 with the cifar10_blocks recipe; the table gives top-1 mean +- std over seeds, params, GMACs and CPU
-latency relative to vanilla, and RePa's top-1 after folding.
+latency relative to vanilla, and RePa's top-1 after folding. --configs also takes the locality
+controls and the papers' ablations (vitblocks.models.blocks_bench). --plan evidence runs them all, most
+telling first: the locality and size controls (3 seeds), the papers' ablations (3 seeds), then the main
+rows on a 100-epoch schedule (seed 0, in --output/long); it prints each claim against its control with
+a verdict (holds / does not hold / not separable), writes evidence.json, and --archive PATH packs the
+runs (no checkpoints) into one .tar.gz to carry to the next job.
 Accuracy is top-1 on the un-augmented test split. Runs go to --output/<dataset>/<model> or
 --output/<config>/seed<k>; finished runs are reused (results.json alone suffices) and interrupted ones
 resumed from last.pth, so re-running continues where it stopped. --jobs N trains N runs at once, each
@@ -69,6 +76,11 @@ def add_parser(subparsers) -> None:
     p.add_argument('--configs', help=f'cifar10-blocks: comma-separated, of {", ".join(bench.BENCH_CONFIGS)} '
                                      f'(default: all)')
     p.add_argument('--seeds', help='cifar10-blocks: comma-separated seeds (default 0,1,2)')
+    p.add_argument('--plan', choices=('evidence',),
+                   help='cifar10-blocks: run a plan of configurations instead of --configs: "evidence" = the '
+                        'locality controls, the papers\' ablations, then the main rows at 100 epochs, with verdicts')
+    p.add_argument('--archive', metavar='PATH',
+                   help='cifar10-blocks --plan evidence: pack the runs (no checkpoints) into this .tar.gz')
     p.add_argument('--no-latency', action='store_true', help='cifar10-blocks: skip the CPU latency measurement')
     p.add_argument('--latency-batch', type=positive_int, help='cifar10-blocks: images per timed batch (default 32)')
     p.add_argument('--repeats', type=positive_int, help='cifar10-blocks: timed batches per model (default 10)')
@@ -301,6 +313,11 @@ def _ninformer_child(args, dataset: str, model: str, dropout: float, output=None
 # --- cifar10-blocks -----------------------------------------------------------------------------------
 
 def _blocks(args) -> int:
+    if args.archive and not args.plan:
+        raise CliError('--archive packs the runs of --plan evidence; give --plan evidence')
+    if args.plan:
+        from .reproduce_evidence import run_evidence  # it builds on this module's helpers
+        return run_evidence(args)
     configs = bench.select_configs(args.configs.split(',') if args.configs else None)
     try:
         seeds = [int(s) for s in (args.seeds or ','.join(map(str, bench.BENCH_SEEDS))).split(',') if s.strip()]

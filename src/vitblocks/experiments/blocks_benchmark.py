@@ -17,7 +17,7 @@ import torch
 from timm.utils import reparameterize_model
 
 from ..data import DataError, data_roots
-from ..models.blocks_bench import BLOCK_CONFIGS, bench_model_name
+from ..models.blocks_bench import BLOCK_CONFIGS, MAIN_CONFIGS, bench_model_name
 from ..profile import benchmark_models, count_macs, count_params, fixed_threads
 from .checkpoint import load_model_weights
 from .config import TrainConfig, load_config, load_recipe, merge
@@ -25,12 +25,14 @@ from .reproduce import budget_overrides, find_dataset, run_or_reuse
 from .runlog import read_json, write_json
 from .setup import create_model, make_loader, resolve_device, setup_data
 
-__all__ = ['BENCH_CONFIGS', 'BENCH_SEEDS', 'BenchRun', 'bench_config', 'select_configs', 'run_benchmark',
-           'check_fold', 'summarize', 'table', 'PAPER_CLAIMS']
+__all__ = ['BENCH_CONFIGS', 'ALL_CONFIGS', 'BENCH_SEEDS', 'BenchRun', 'bench_config', 'select_configs',
+           'run_benchmark', 'check_fold', 'summarize', 'table', 'PAPER_CLAIMS']
 
-BENCH_CONFIGS = tuple(c[0] for c in BLOCK_CONFIGS)
+BENCH_CONFIGS = MAIN_CONFIGS  # the default table: each paper's block in its default setting
+ALL_CONFIGS = tuple(c[0] for c in BLOCK_CONFIGS)  # + the locality controls and the papers' ablations
 BENCH_SEEDS = (0, 1, 2)
-FOLDED = ('repa',)  # configurations evaluated after folding, whose folded accuracy must equal the trained one
+# configurations evaluated after folding, whose folded accuracy must equal the trained one
+FOLDED = ('repa', 'repa_idle_25', 'repa_idle_50', 'repa_idle_100')
 
 # what each paper claims against the vanilla block, at its own scale (ImageNet-1k; NiNformer: CIFAR-10),
 # for the table's notes and the README; the numbers are the papers' top-1 %
@@ -56,15 +58,16 @@ class BenchRun:
 
 
 def select_configs(names: Optional[Sequence[str]]) -> List[str]:
-    """The configurations ``names`` asks for (all when None), in benchmark order; unknown names are an error."""
+    """The configurations ``names`` asks for (the nine main ones when None), in benchmark order; unknown names
+    are an error."""
     if names is None:
         return list(BENCH_CONFIGS)
     wanted = [n.strip().lower() for n in names if n.strip()]
-    unknown = [n for n in wanted if n not in BENCH_CONFIGS]
+    unknown = [n for n in wanted if n not in ALL_CONFIGS]
     if unknown or not wanted:
         raise DataError(f'--configs: unknown {", ".join(unknown) or "(empty)"}; the benchmark has '
-                        f'{", ".join(BENCH_CONFIGS)}')
-    return [c for c in BENCH_CONFIGS if c in wanted]
+                        f'{", ".join(ALL_CONFIGS)}')
+    return [c for c in ALL_CONFIGS if c in wanted]
 
 
 def bench_config(config: str, seed: int, data: Path, epochs: Optional[int] = None, max_steps: Optional[int] = None,

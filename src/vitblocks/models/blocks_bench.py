@@ -22,6 +22,17 @@ model plus one swap with the paper's default setting (``BLOCK_CONFIGS``); regist
   256). Only the token mixer changes: the block keeps its two LayerNorms (``shared_norm=False``;
   the authors' block shares one) and the backbone's 4D outer MLP (the paper's is 2D).
 
+Controls and the papers' ablations (``CONTROL_CONFIGS``, ``ABLATION_CONFIGS``), same backbone and recipe:
+
+* locality controls: ``local_ffn`` / ``local_ffn_afbo``, the vanilla FFN with a 3x3 depthwise conv inside
+  (LocalViT's inverted residual with GELU) at IFFN's / AFBO's parameter count (hidden 593 / 785);
+  ``iffn_spatial_only`` and ``iffn_channel_only`` (IFFN Table 2), ``afbo_c`` (AFBO-C, channel maps only,
+  Table 5), ``vanilla_wide`` (the vanilla MLP widened to hidden 1037, NiNformer's parameter count);
+* ablations: ``iffn_k5``, ``iffn_k7`` (IFFN Table 6), ``iffn_n4`` (Table 4); ``afbo_post`` (the activation
+  after the product, AFBO Table 6), ``afbo_g2_2``, ``afbo_g2_6``, ``afbo_g1_4`` (Table 7); ``repa_idle_25``,
+  ``repa_idle_50``, ``repa_idle_100`` (RePa Table 4); ``mabvit_pr_glu`` (MABViT's parameter-reduced GLU:
+  SwiGLU on V with the MLP cut from 4D to 3D).
+
 MABViT's models also add a pre-logits layer and NiNformer's drop the position embedding; those
 are backbone choices, not the block, so the benchmark keeps the one backbone for all.
 """
@@ -33,7 +44,8 @@ from .registry import VariantSpec, register_variant
 from .residual_surgery import swap_residual_ffn
 from .surgery import swap_ffn
 
-__all__ = ['BENCH_BACKBONE', 'BLOCK_CONFIGS', 'bench_model_name']
+__all__ = ['BENCH_BACKBONE', 'BLOCK_CONFIGS', 'MAIN_CONFIGS', 'CONTROL_CONFIGS', 'ABLATION_CONFIGS',
+           'bench_model_name']
 
 BENCH_BASE = 'vit_tiny_patch16_224'
 BENCH_BACKBONE = dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0,
@@ -56,12 +68,15 @@ def _ffn(name, model, cfg):
 def _mabvit(model, cfg):
     cfg = dict(cfg)
     value_act = cfg.pop('value_act', None)
+    mlp_ratio = cfg.pop('mlp_ratio', None)
     if value_act:
         swap_value_attention(model, value_act)
+    if mlp_ratio is not None:  # PR-GLU: the MLP cut to pay for the GLU's third matrix
+        swap_ffn(model, 'mlp', mlp_ratio=mlp_ratio)
     if cfg.pop('parallel', False):
         make_parallel(model)
     if cfg:
-        raise ValueError(f'unknown MABViT benchmark block config {sorted(cfg)}; keys: value_act, parallel')
+        raise ValueError(f'unknown MABViT benchmark block config {sorted(cfg)}; keys: value_act, parallel, mlp_ratio')
 
 
 # (config, paper, build, block config, what it changes)
@@ -79,7 +94,38 @@ BLOCK_CONFIGS = (
      'MABViT parallel block + SwiGLU on V'),
     ('ninformer', 'ninformer', lambda m, c: swap_gating_unit(m, **c),
      dict(token_mlp_dim=512, channel_mlp_dim=384, shared_norm=False), 'NiNformer gating unit in place of attention'),
+    # locality and size controls
+    ('local_ffn', None, partial(_ffn, 'localvit'), dict(mlp_ratio=593 / 192, act_layer='gelu'),
+     "vanilla FFN + 3x3 depthwise conv (LocalViT style, GELU) at IFFN's parameters"),
+    ('local_ffn_afbo', None, partial(_ffn, 'localvit'), dict(mlp_ratio=785 / 192, act_layer='gelu'),
+     "vanilla FFN + 3x3 depthwise conv (LocalViT style, GELU) at AFBO's parameters"),
+    ('iffn_spatial_only', 'iffn', partial(_ffn, 'iffn'), dict(channel_part=False), 'IFFN spatial part only (Table 2)'),
+    ('iffn_channel_only', 'iffn', partial(_ffn, 'iffn'), dict(spatial_part=False), 'IFFN channel part only (Table 2)'),
+    ('afbo_c', 'afbo', partial(_ffn, 'afbo'), dict(gccm_groups=2, occm_groups=4, order='cm'),
+     'AFBO-C: channel maps only, no spatial modelling (Table 5)'),
+    ('vanilla_wide', None, partial(_ffn, 'mlp'), dict(mlp_ratio=1037 / 192),
+     "vanilla MLP widened to NiNformer's parameters (hidden 1037)"),
+    # the papers' ablations
+    ('iffn_k5', 'iffn', partial(_ffn, 'iffn'), dict(kernel_size=5), 'IFFN with a 5x5 depthwise conv (Table 6)'),
+    ('iffn_k7', 'iffn', partial(_ffn, 'iffn'), dict(kernel_size=7), 'IFFN with a 7x7 depthwise conv (Table 6)'),
+    ('iffn_n4', 'iffn', partial(_ffn, 'iffn'), dict(num_functions=4), 'IFFN with N = 4 activations (Table 4)'),
+    ('afbo_post', 'afbo', partial(_ffn, 'afbo'), dict(gccm_groups=2, occm_groups=4, act_position='post'),
+     'AFBO with the activation after the product (Table 6)'),
+    ('afbo_g2_2', 'afbo', partial(_ffn, 'afbo'), dict(gccm_groups=2, occm_groups=2), 'AFBO G1=2, G2=2 (Table 7)'),
+    ('afbo_g2_6', 'afbo', partial(_ffn, 'afbo'), dict(gccm_groups=2, occm_groups=6), 'AFBO G1=2, G2=6 (Table 7)'),
+    ('afbo_g1_4', 'afbo', partial(_ffn, 'afbo'), dict(gccm_groups=4, occm_groups=4), 'AFBO G1=4, G2=4 (Table 7)'),
+    ('repa_idle_25', 'repa', lambda m, c: swap_residual_ffn(m, 'repa', **c), dict(idle_ratio=0.25),
+     'RePa, channel idle ratio 0.25 (Table 4)'),
+    ('repa_idle_50', 'repa', lambda m, c: swap_residual_ffn(m, 'repa', **c), dict(idle_ratio=0.5),
+     'RePa, channel idle ratio 0.5 (Table 4)'),
+    ('repa_idle_100', 'repa', lambda m, c: swap_residual_ffn(m, 'repa', **c), dict(idle_ratio=1.0),
+     'RePa, channel idle ratio 1.0: a linear FFN (Table 4)'),
+    ('mabvit_pr_glu', 'mabvit', _mabvit, dict(value_act='swiglu', parallel=False, mlp_ratio=3.0),
+     'MABViT PR-GLU: SwiGLU on V, MLP 3D instead of 4D'),
 )
+MAIN_CONFIGS = tuple(c[0] for c in BLOCK_CONFIGS[:9])
+CONTROL_CONFIGS = ('local_ffn', 'local_ffn_afbo', 'iffn_spatial_only', 'iffn_channel_only', 'afbo_c', 'vanilla_wide')
+ABLATION_CONFIGS = tuple(c[0] for c in BLOCK_CONFIGS[9:] if c[0] not in CONTROL_CONFIGS)
 
 for _config, _paper, _build, _cfg, _what in BLOCK_CONFIGS:
     _name = bench_model_name(_config)
