@@ -330,3 +330,25 @@ def test_real_cifar10_shard():
     ds = build_dataset(str(SHARED_DATA / 'cifar10' / 'cifar10-test-0000.tar.gz'))
     assert ds.images.shape == (5000, 3, 32, 32)
     assert ds.classes[:2] == ['airplane', 'automobile'] and ds.num_classes == 10
+
+
+def test_a_class_list_in_another_order_renumbers_the_labels_by_name(tmp_path):
+    """Shards whose class list is another order of the checkpoint's: every image keeps its class *name* (its label
+    becomes that name's index in the list given), so an evaluation counts the right classes; a class the list lacks
+    is an error."""
+    own = ['cat', 'dog', 'ship', 'frog']
+    write_shards(tmp_path / 'd', 'test', n=24, per_shard=24, num_classes=4, classes=own)
+    plain = ShardDataset(str(tmp_path / 'd'), 'test', in_memory=True)
+    checkpoint = ['dog', 'frog', 'cat', 'ship']
+    reordered = ShardDataset(str(tmp_path / 'd'), 'test', classes=checkpoint, in_memory=True)
+    assert reordered.classes == checkpoint
+    names = [plain.classes[int(t)] for t in plain.targets]
+    assert [checkpoint[int(t)] for t in reordered.targets] == names
+    assert not torch.equal(reordered.targets, plain.targets)
+    assert torch.equal(ShardDataset(str(tmp_path / 'd'), 'test', in_memory=True).targets, plain.targets)  # cache kept
+    write_shards(tmp_path / 'u', 'test', n=24, per_shard=24, num_classes=4, classes=own, gz=False)
+    indexed = ShardDataset(str(tmp_path / 'u'), 'test', classes=checkpoint, in_memory=False)  # read sample by sample
+    assert [checkpoint[int(t)] for t in indexed.targets] == names
+    assert [checkpoint[indexed[i][1]] for i in range(len(indexed))] == names
+    with pytest.raises(DataError, match=r"classes \['ship'\] are not among the 3 classes given"):
+        ShardDataset(str(tmp_path / 'd'), 'test', classes=['dog', 'frog', 'cat'], in_memory=True)

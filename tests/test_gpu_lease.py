@@ -80,10 +80,11 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     # the first wave: the init ablation started before the row it tests (--ablations-first)
     assert t1_log.index('started torchinit:cifar10/ninformer_vit_patch4_32') < \
         t1_log.index('started cifar10/ninformer_vit_patch4_32')
-    # the CUDA cases ran (skipped here, on the CPU: the DDP vote, 9 + 9 + 9 + 3 + 1 of tests/test_on_device.py)
-    # and their report is packed
+    # the CUDA cases ran (skipped here, on the CPU: the DDP vote, 3 per blocks-benchmark configuration + 3 + 1 of
+    # tests/test_on_device.py) and their report is packed
     assert 'cuda tests exit 0' in log
-    assert '32 skipped' in (tmp_path / 'runs/gpu-t1-cudatests.txt').read_text()
+    from vitblocks.models.blocks_bench import BLOCK_CONFIGS
+    assert f'{3 * len(BLOCK_CONFIGS) + 5} skipped' in (tmp_path / 'runs/gpu-t1-cudatests.txt').read_text()
     assert 'GPU check exit 0' in log and 'sweep exit 0' in log
     # the committed H100 sweep was seeded in, refused on this other setup, and set aside, not mixed in
     assert (tmp_path / 'runs/gpu15-other-setup/env.json').is_file()

@@ -1004,3 +1004,52 @@ def test_train_step_ops_benchmark_names_the_dropout_masks():
         shares[drop] = float(m[1]), float(m[2])
     assert shares['0.5'][0] > 0 and shares['0'][0] == 0
     assert shares['0.5'][1] > 0 and shares['0'][1] > 0
+
+
+def _reordered_copy(src: Path, dst: Path, order) -> None:
+    """The shards of ``src`` with their class list in another order (``order``: old index -> new position) and each
+    ``.cls`` renumbered to match: the same images under the same class names."""
+    import io
+    import json
+    import tarfile
+    dst.mkdir(parents=True)
+    manifest = json.loads((src / 'MANIFEST.json').read_text())
+    names = manifest['classes']
+    new_names = [None] * len(names)
+    for old, new in enumerate(order):
+        new_names[new] = names[old]
+    manifest['classes'] = new_names
+    (dst / 'MANIFEST.json').write_text(json.dumps(manifest))
+    for shard in src.glob('*.tar.gz'):
+        with tarfile.open(shard) as tin, tarfile.open(dst / shard.name, 'w:gz') as tout:
+            for member in tin.getmembers():
+                data = tin.extractfile(member).read()
+                if member.name.endswith('.cls'):
+                    data = str(order[int(data)]).encode()
+                member.size = len(data)
+                tout.addfile(member, io.BytesIO(data))
+
+
+def test_eval_renumbers_a_dataset_whose_classes_are_in_another_order(data, tmp_path, capsys):
+    """A test split listing the checkpoint's classes in another order, its labels following that order: the
+    evaluation matches images to the checkpoint's classes by name, so top-1 and the per-class counts are those
+    of the split in the checkpoint's own order (before, the labels kept their indices under the new names)."""
+    import json
+    kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=none',
+          'tensorboard=false']
+    code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
+                             'ninformer', '--max-steps', 6, '--batch-size', 8, '--output', tmp_path, '--name', 'r',
+                             '--threads', 1, *kw)
+    assert code == 0, err
+    _reordered_copy(data, tmp_path / 'reordered', order=[2, 0, 3, 1])
+    results = []
+    for folder in (data, tmp_path / 'reordered'):
+        code, out, err = run_cli(capsys, 'eval', '--checkpoint', tmp_path / 'r' / 'last.pth', '--data', folder,
+                                 '--threads', 1, '--per-class', '--json', tmp_path / 'e.json')
+        assert code == 0, err
+        (res,) = json.loads((tmp_path / 'e.json').read_text())['results'].values()
+        results.append(res)
+    assert results[1]['top1'] == results[0]['top1'] and results[1]['num_images'] == results[0]['num_images'] == 40
+    assert results[1]['loss'] == pytest.approx(results[0]['loss'], rel=1e-6)
+    assert len(results[0]['per_class_top1']) == 4
+    assert results[1]['per_class_top1'] == results[0]['per_class_top1']  # the checkpoint's class order in both

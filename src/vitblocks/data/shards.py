@@ -32,7 +32,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from ..ticker import Ticker
-from .base import DataError, ImageDataset, array_to_pil, to_pil
+from .base import DataError, ImageDataset, array_to_pil, check_labels, to_pil
 from .shard_index import MAX_OPEN_SHARDS, OpenShards, cached_index, cached_on_node
 
 __all__ = ['ShardDataset', 'find_shards', 'is_shard_path', 'read_manifest', 'manifest_counts', 'manifest_folder',
@@ -271,8 +271,24 @@ class ShardDataset(ImageDataset):
                 self.images, self._arrays = None, decoded
         else:
             self._index_members()
+        if classes is not None and found_classes and list(classes) != list(found_classes):
+            self.targets = self._remapped(self.targets, list(found_classes), list(classes), path)
         self.classes = list(classes or found_classes or [str(i) for i in range(int(self.targets.max()) + 1)])
         self._check_labels()
+
+    @staticmethod
+    def _remapped(targets: torch.Tensor, found: List[str], wanted: List[str], path) -> torch.Tensor:
+        """Labels of the shards' own class list (their ``classes.txt``) renumbered by name into ``wanted``'s order
+        (a checkpoint's classes): the same class keeps its name whatever its index. A new tensor: the decoded
+        shards may be shared by other datasets."""
+        unknown = [c for c in found if c not in wanted]
+        if unknown:
+            raise DataError(f'{path}: classes {unknown[:4]}{"..." if len(unknown) > 4 else ""} are not among the '
+                            f'{len(wanted)} classes given ({", ".join(wanted[:4])}, ...)')
+        check_labels(targets, len(found), str(path))  # a label outside the shards' own list cannot be renamed
+        index = {name: i for i, name in enumerate(wanted)}
+        mapping = torch.tensor([index[name] for name in found], dtype=torch.long)
+        return mapping[targets]
 
     def _check_manifest(self, manifest: Dict, split: Optional[str], whole_split: bool) -> None:
         splits = manifest.get('splits') or {}
