@@ -167,6 +167,19 @@ def test_compare_deit_tiny_ends_with_summary(capsys):
     assert 'acc. only' in out  # Table 3 rows are listed but not counted
 
 
+def test_compare_shows_progress_on_a_redirected_stderr(capsys, monkeypatch):
+    """With stderr not a terminal (a job log), compare says how far its counting is (a line at most every 10 s;
+    every model here), the report on stdout unchanged."""
+    from functools import partial
+    from vitblocks.cli import compare
+    from vitblocks.ticker import Ticker
+    monkeypatch.setattr(compare, 'Ticker', partial(Ticker, interval_s=0.0))
+    code, out, err = run(capsys, 'compare', '--paper', 'iffn', '--models', 'deit_tiny')
+    assert code == 0 and SUMMARY.match(out.rstrip('\n').splitlines()[-1])
+    lines = [ln for ln in err.splitlines() if ln.startswith('compare: counting: ')]
+    assert lines and lines[-1].startswith(f'compare: counting: {len(lines)}/{len(lines)} models in ')
+
+
 def test_compare_lists_unbuildable_rows_without_counting_them(capsys, tmp_path):
     paper = tmp_path / 'unbuilt.yaml'  # the shipped tables' unbuilt rows get built over time
     paper.write_text('key: unbuilt\ntitle: t\nauthors: a\nvenue: v\nmethod: afbo\ntables:\n'

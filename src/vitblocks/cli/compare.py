@@ -21,7 +21,8 @@ from ..deploy import reparameterize
 from ..models import get_variant
 from ..papers import MacConvention, Paper, PaperRow, PaperTable, list_papers, load_paper
 from ..profile import count_macs, count_params, fixed_threads
-from .common import CliError, build_model, end_progress, format_cfg, is_vitblocks_model, progress, render_table
+from ..ticker import Ticker
+from .common import CliError, build_model, format_cfg, is_vitblocks_model, render_table
 
 NAME = 'compare'
 TOLERANCE_PCT = 1.0  # a row matches when every published complexity number is within this
@@ -143,10 +144,15 @@ class Counter:
             if count not in counts and (key, count) not in self.cache:
                 counts.append(count)
         t0 = time.perf_counter()
-        for i, (key, (row, counts)) in enumerate(todo.items()):
-            if counts:
-                progress(f'counting {row.model} {format_cfg(row.block_cfg)} ({i + 1} of {len(todo)} models)')
-                self.cache.update({(key, c): m for c, m in zip(counts, self._count(row, counts))})
+        # a bar on a terminal; redirected (a job log), a line on stderr at most every 10 s
+        ticker = Ticker(sum(1 for _, counts in todo.values() if counts), 'models', 'compare: counting')
+        try:
+            for key, (row, counts) in todo.items():
+                if counts:
+                    self.cache.update({(key, c): m for c, m in zip(counts, self._count(row, counts))})
+                    ticker.update(1)
+        finally:
+            ticker.close()
         self.seconds += time.perf_counter() - t0
 
     def measure(self, row: PaperRow, table: PaperTable) -> Measured:
@@ -246,7 +252,6 @@ def run(args) -> int:
                     res.deltas[key] = 100.0 * (ours - paper_value) / paper_value
             table_results.append(res)
         results.append((table, table_results))
-    end_progress()
 
     all_rows = [r for _, rs in results for r in rs]
     counted = [r for r in all_rows if r.counted]
