@@ -244,6 +244,13 @@ def _check_values(data: Mapping[str, Any], where: str) -> Dict[str, Any]:
 
 def _validate(cfg: TrainConfig) -> None:
     """Checks that involve more than one key (single values are checked by the schema)."""
+    if cfg.name is not None and (cfg.name in ('', '.', '..') or any(sep in cfg.name for sep in ('/', '\\'))):
+        raise ConfigError(f'name={cfg.name!r} must be one folder name inside output={cfg.output!r} (no / or \\, '
+                          f'not . or ..); put the folder in output to train elsewhere')
+    std = cfg.std if isinstance(cfg.std, (list, tuple)) else ()
+    if any(isinstance(v, (int, float)) and v <= 0 for v in std):
+        raise ConfigError(f'std={list(std)}: every channel\'s std must be > 0 (the input is divided by it); give '
+                          f'the dataset\'s std, or std=model / std=dataset')
     for key in ('train_url', 'train_samples'):
         if getattr(cfg, key) is not None and not cfg.streaming:
             raise ConfigError(f'{key}={getattr(cfg, key)} describes a streamed training split; set streaming=true '
