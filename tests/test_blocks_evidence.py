@@ -61,7 +61,7 @@ def test_archive_packs_the_runs_without_checkpoints(tmp_path):
         (run / name).write_text('x')
     (tmp_path / 'out' / 'afbo' / 'seed0').mkdir(parents=True)
     (tmp_path / 'out' / 'afbo' / 'seed0' / 'metrics.csv').write_text('x')  # unfinished: no results.json
-    assert archive_runs(tmp_path / 'out', tmp_path / 'e.tgz') == 1
+    assert archive_runs([tmp_path / 'out', tmp_path / 'absent'], tmp_path / 'e.tgz') == 1
     names = tarfile.open(tmp_path / 'e.tgz').getnames()
     assert 'out/iffn/seed0/results.json' in names and 'out/afbo/seed0/metrics.csv' in names
     assert not any(n.endswith('.pth') for n in names) and not (tmp_path / 'e.tgz.tmp').exists()
@@ -85,6 +85,7 @@ def test_the_plan_runs_most_telling_first_and_resumes(cifar_root, tmp_path, caps
     monkeypatch.setattr(reproduce_evidence, '_run_children', record)
     out = tmp_path / 'evidence'
     argv = ['reproduce', 'cifar10-blocks', '--plan', 'evidence', '--max-steps', 1, '--threads', 1, '--jobs', 2,
+            '--repeats', 1, '--latency-batch', 2,
             '--data-root', cifar_root, '--output', out, '--archive', tmp_path / 'evidence.tgz',
             '--set', 'progress=none', 'tensorboard=false', 'batch_size=16', TINY]
     code = cli.main([str(a) for a in argv])
@@ -93,6 +94,9 @@ def test_the_plan_runs_most_telling_first_and_resumes(cifar_root, tmp_path, caps
     assert started == [('vanilla/seed0', 2), ('vanilla/seed1', 2), ('local_ffn/seed0', 2), ('local_ffn/seed1', 2),
                        ('iffn/seed0', 2), ('iffn/seed1', 2), ('long/vanilla/seed0', 1), ('long/iffn/seed0', 1)]
     assert 'iffn vs local_ffn' in printed and 'evidence plan: 8 run(s) to train of 8' in printed
+    assert (out / 'table.txt').is_file() and (out / 'tradeoff.png').is_file()  # the table of every finished config
+    summary = {s['config']: s for s in json.loads((out / 'summary.json').read_text())}
+    assert set(summary) == {'vanilla', 'local_ffn', 'iffn'} and len(summary['iffn']['top1']) == 2
     report = json.loads((out / 'evidence.json').read_text())
     assert set(report['top1']['']) == {'vanilla', 'local_ffn', 'iffn'} and set(report['top1']['long']) == {
         'vanilla', 'iffn'}

@@ -744,8 +744,12 @@ def test_reproduce_ninformer_table1_with_a_budget(tmp_path, capsys):
     assert (cfg['opt'], cfg['lr'], cfg['batch_size'], cfg['mlp_drop'], cfg['max_steps']) == ('adam', 1e-3, 128, 0.5, 1)
     assert cfg['hflip'] == 0.0  # no mirrored digits
     stamp = (run_dir / 'results.json').stat().st_mtime_ns
-    code, out2, _ = run_cli(capsys, *argv)  # a finished run is reused, not retrained
+    code, out2, _ = run_cli(capsys, *argv, '--archive', tmp_path / 'runs.tgz')  # a finished run is reused
     assert code == 0 and (run_dir / 'results.json').stat().st_mtime_ns == stamp and line in out2
+    import tarfile
+    packed = tarfile.open(tmp_path / 'runs.tgz').getnames()  # the runs, without checkpoints, to carry to another job
+    assert 'out/mnist/ninformer_vit_patch4_28/results.json' in packed and 'out/table.txt' in packed
+    assert not any(n.endswith('.pth') for n in packed) and 'archive: ' in out2
     argv[argv.index('--max-steps') + 1] = 2  # a larger budget continues the run from step 1
     code, out3, err = run_cli(capsys, *argv)
     assert code == 0, err

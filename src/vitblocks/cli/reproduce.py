@@ -20,7 +20,7 @@ from .common import CliError, positive_float, positive_int, render_table
 NAME = 'reproduce'
 TARGETS = ('ninformer-table1', 'cifar10-blocks')
 _NINFORMER_ONLY = ('datasets', 'models', 'dropout', 'no_train', 'ablation', 'ablations_first')
-_BLOCKS_ONLY = ('configs', 'seeds', 'no_latency', 'latency_batch', 'repeats', 'plan', 'archive')
+_BLOCKS_ONLY = ('configs', 'seeds', 'no_latency', 'latency_batch', 'repeats', 'plan')
 
 EPILOG = """\
 examples:
@@ -80,7 +80,9 @@ def add_parser(subparsers) -> None:
                    help='cifar10-blocks: run a plan of configurations instead of --configs: "evidence" = the '
                         'locality controls, the papers\' ablations, then the main rows at 100 epochs, with verdicts')
     p.add_argument('--archive', metavar='PATH',
-                   help='cifar10-blocks --plan evidence: pack the runs (no checkpoints) into this .tar.gz')
+                   help='ninformer-table1, cifar10-blocks --plan evidence: pack the runs under --output (configs, '
+                        'metrics, results, logs, tables; no checkpoints) into this .tar.gz at the end, finished or '
+                        'not: the file a job with a wall-clock limit carries out')
     p.add_argument('--no-latency', action='store_true', help='cifar10-blocks: skip the CPU latency measurement')
     p.add_argument('--latency-batch', type=positive_int, help='cifar10-blocks: images per timed batch (default 32)')
     p.add_argument('--repeats', type=positive_int, help='cifar10-blocks: timed batches per model (default 10)')
@@ -215,6 +217,7 @@ def _ninformer(args) -> int:
                     for output, pairs, settings, priority, prefix in groups for ds, model in pairs
                     if not ninformer_finished(ds, model, output, dropout=dropout, **_run_config(args, settings))]
         if children and _report_unfinished(_run_children(args, children)):
+            _archive(args, [args.output] + [_ablation_output(args, name) for name, _, _ in ablations])
             return 1
     runs = _table1_runs(args, datasets, models, dropout, args.output, [])
     ablation_runs = [(name, settings, [r for ds, ms in _by_dataset(pairs) for r in
@@ -234,7 +237,16 @@ def _ninformer(args) -> int:
         _write_table(args, f'NiNformer Table 1, ablation {name} ({" ".join(settings)}): test top-1 %',
                      table_rows(rs), _ninformer_budget(args, dropout, settings), t0,
                      output=_ablation_output(args, name))
+    _archive(args, [args.output] + [_ablation_output(args, name) for name, _, _ in ablation_runs])
     return 0
+
+
+def _archive(args, outputs) -> None:
+    """--archive: the runs of ``outputs`` (the table's and each ablation's folder) packed into one .tar.gz."""
+    if args.archive:
+        from ..experiments.blocks_evidence import archive_runs
+        n = archive_runs([Path(o) for o in outputs], Path(args.archive))
+        print(f'archive: {args.archive} ({n} finished run(s), no checkpoints)')
 
 
 def _ninformer_budget(args, dropout: float, settings) -> str:

@@ -11,7 +11,7 @@ from ..experiments.jobs import Job
 from ..experiments.reproduce import is_finished
 from ..experiments.runlog import read_json, write_json
 from .common import CliError
-from .reproduce import _budget_flags, _budget_line, _report_unfinished, _run_children, _write_table
+from .reproduce import _blocks_outputs, _budget_flags, _budget_line, _report_unfinished, _run_children, _write_table
 
 
 def run_evidence(args) -> int:
@@ -46,7 +46,7 @@ def run_evidence(args) -> int:
     report = _report(args, out, _finished_top1(out), t0)
     write_json(out / 'evidence.json', report)
     if args.archive:
-        n = archive_runs(out, Path(args.archive))
+        n = archive_runs([out], Path(args.archive))
         print(f'archive: {args.archive} ({n} finished run(s), no checkpoints)')
     left = remaining_runs(EVIDENCE_PLAN, finished)
     if left:
@@ -77,11 +77,22 @@ def _finished_top1(out: Path):
 
 def _report(args, out: Path, top1, t0: float) -> dict:
     main = top1.get('', {})
-    rows = verdicts(main)
     budget = _budget_line(args, 20)
+    runs = [bench.BenchRun(config, seed, out / config / f'seed{seed}',
+                           read_json(out / config / f'seed{seed}' / 'results.json'),
+                           read_json(out / config / f'seed{seed}' / 'fold.json') if config in bench.FOLDED else None)
+            for config in bench.ALL_CONFIGS if config in main for seed in sorted(main[config])]
+    if runs:  # top-1 mean +- std, params, GMACs, CPU latency of every finished configuration, and the trade-off plot
+        summaries = bench.summarize(runs, latency=not args.no_latency, latency_batch=args.latency_batch or 32,
+                                    repeats=args.repeats or 10, threads=args.threads)
+        _write_table(args, "CIFAR-10 blocks benchmark: the blocks, their controls and the papers' ablations",
+                     bench.table(summaries), budget, t0, output=out)
+        _blocks_outputs(args, runs, summaries)
+        print()
+    rows = verdicts(main)
     if rows:
         _write_table(args, 'CIFAR-10 blocks benchmark: each claim against its control (paired by seed)',
-                    verdict_table(rows), budget, t0, output=out)
+                    verdict_table(rows), budget, t0, output=out / 'verdicts')
     long = top1.get('long', {})
     if long:
         headers = ['config', 'top-1 % (100 epochs)', 'vs vanilla']

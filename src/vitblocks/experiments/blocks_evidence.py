@@ -131,15 +131,20 @@ def remaining_runs(plan: Sequence[Tier], finished) -> List[Tuple[Tier, str, int]
     return [(tier, c, s) for tier in plan for c in tier.configs for s in tier.seeds if not finished(tier, c, s)]
 
 
-def archive_runs(output: Path, archive: Path) -> int:
-    """Pack the runs under ``output`` (configs, metrics, results, logs and the tables; no checkpoints) into one
-    ``.tar.gz``, written atomically; returns how many finished runs (with ``results.json``) it holds."""
-    output, archive = Path(output), Path(archive)
-    finished = [p.parent for p in sorted(output.rglob('results.json'))]
+def archive_runs(folders: Sequence[Path], archive: Path) -> int:
+    """Pack the runs under ``folders`` (configs, metrics, results, logs and the tables; no checkpoints) into one
+    ``.tar.gz``, each folder under its own name, written atomically; returns how many finished runs (with
+    ``results.json``) it holds."""
+    archive = Path(archive)
     tmp = archive.with_name(archive.name + '.tmp')
+    finished = 0
     with tarfile.open(tmp, 'w:gz') as tar:
-        for path in sorted(output.rglob('*')):
-            if path.is_file() and path.suffix not in ('.pth', '.tmp') and path.resolve() != archive.resolve():
-                tar.add(path, arcname=str(path.relative_to(output.parent)))
+        for folder in map(Path, folders):
+            if not folder.is_dir():
+                continue
+            for path in sorted(folder.rglob('*')):
+                if path.is_file() and path.suffix not in ('.pth', '.tmp') and path.resolve() != archive.resolve():
+                    tar.add(path, arcname=str(path.relative_to(folder.parent)))
+                    finished += path.name == 'results.json'
     tmp.replace(archive)
-    return len(finished)
+    return finished
