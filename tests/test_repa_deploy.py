@@ -93,7 +93,8 @@ def test_checkpoints_in_the_split_layout_still_load(name, tmp_path):
         else:
             old[key] = value
     assert len(old) == len(tensors) + _units(deployed, RePaDeployedFFN) * 2  # weight and bias of each unit split
-    save_file(old, tmp_path / 'old.safetensors', metadata=read_deployed_metadata(path))
+    metadata = {k: v for k, v in read_deployed_metadata(path).items() if k != 'tensor_digest'}  # none back then
+    save_file(old, tmp_path / 'old.safetensors', metadata=metadata)
     loaded = load_deployed(name, tmp_path / 'old.safetensors', **SMALL[name][0])
     x = torch.randn(2, *size)
     with torch.no_grad():
@@ -162,6 +163,7 @@ def saved(tmp_path):
     ('foreign', 'not a vitblocks deployed checkpoint'),
     ('other_model', 'holds weights of repa_deit_tiny_patch16_224, not repa_deit_small_patch16_224'),
     ('other_num_classes', 'was saved with num_classes=10, not 7; drop num_classes'),
+    ('bit_flipped', 'is damaged: its tensors do not match the digest recorded when it was saved'),
 ])
 def test_bad_checkpoints_are_clear_errors(saved, tmp_path, case, message):
     name, kwargs = 'repa_deit_tiny_patch16_224', dict(SMALL['repa_deit_tiny_patch16_224'][0])
@@ -179,6 +181,11 @@ def test_bad_checkpoints_are_clear_errors(saved, tmp_path, case, message):
         path, name = saved, 'repa_deit_small_patch16_224'
     elif case == 'other_num_classes':
         path, kwargs['num_classes'] = saved, 7
+    elif case == 'bit_flipped':  # one bit of one weight, deep in the data: the header still reads, shapes fit
+        data = bytearray(saved.read_bytes())
+        data[-1001] ^= 0x04
+        path.write_bytes(bytes(data))
+        assert read_deployed_metadata(path)['format'] == FORMAT
     with pytest.raises(DeployedCheckpointError, match=message):
         load_deployed(name, path, **kwargs)
 

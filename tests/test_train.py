@@ -398,6 +398,30 @@ def test_truncated_and_foreign_checkpoints_are_refused(data, tmp_path):
         load_checkpoint(tmp_path / 'empty.pth')
 
 
+def test_a_changed_optimizer_setting_is_refused_like_a_changed_weight(data, tmp_path):
+    """The digest covers every value of the checkpoint, not only its tensors: AdamW's beta2 flipped from 0.999 to
+    0.99888 on disk is refused on load (it resumed silently when only tensors were covered); saving a loaded
+    checkpoint again gives a valid one, and a checkpoint written before (tensors-only digest) still loads."""
+    train(tiny_cfg(data, tmp_path, max_steps=2))
+    good = tmp_path / 'run' / 'last.pth'
+    state = torch.load(good, weights_only=True)
+    assert 'state_digest' in state and 'tensor_digest' not in state
+    group = state['optimizer']['param_groups'][0]
+    assert group['betas'][1] == 0.999
+    group['betas'] = (group['betas'][0], 0.99888)
+    flipped = tmp_path / 'flipped.pth'
+    torch.save(state, flipped)  # the old digest kept, as a flipped byte would
+    with pytest.raises(CheckpointError, match='do not match the digest'):
+        load_checkpoint(flipped)
+    save_checkpoint(load_checkpoint(good), tmp_path / 'again.pth')
+    assert load_checkpoint(tmp_path / 'again.pth')['global_step'] == 2
+    from vitblocks.experiments.checkpoint import tensor_digest
+    older = {k: v for k, v in torch.load(good, weights_only=True).items() if k != 'state_digest'}
+    older['tensor_digest'] = tensor_digest(older)
+    torch.save(older, tmp_path / 'older.pth')
+    assert load_checkpoint(tmp_path / 'older.pth')['global_step'] == 2
+
+
 def test_atomic_save_keeps_old_checkpoint_on_failure(tmp_path):
     path = tmp_path / 'last.pth'
     save_checkpoint({'x': torch.ones(1)}, path)

@@ -22,6 +22,7 @@ Writes are atomic (into a hidden folder beside the target, then ``os.replace``),
 interrupted save never leaves a truncated checkpoint under the final name. Reading a missing,
 corrupt or foreign file raises :class:`DeployedCheckpointError` saying which and what to do.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -157,13 +158,31 @@ def written_in_place_at_the_end(path: Path):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+DIGEST_KEY = 'tensor_digest'  # metadata: 'sha256:<hex>' of the file's tensor data, checked by load_deployed
+
+
+def data_digest(path: PathLike) -> str:
+    """SHA-256 of a safetensors file's tensor data: every byte after its header (so the metadata, which holds the
+    digest, is not part of it). Any flipped bit in a tensor changes it."""
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        header = int.from_bytes(f.read(8), 'little')
+        f.seek(8 + header)
+        for chunk in iter(lambda: f.read(1 << 20), b''):
+            h.update(chunk)
+    return 'sha256:' + h.hexdigest()
+
+
 def write_safetensors(model: nn.Module, path: PathLike, metadata: Dict[str, str]) -> Path:
-    """Write ``model``'s state dict and ``metadata`` to ``path`` atomically (``written_in_place_at_the_end``);
-    parent directories are created. Returns the path."""
+    """Write ``model``'s state dict and ``metadata`` to ``path`` atomically (``written_in_place_at_the_end``),
+    with the digest of its tensor data in the metadata (:data:`DIGEST_KEY`); parent directories are created.
+    Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_in_place_at_the_end(path) as tmp:
         save_model(model, str(tmp), metadata=metadata)  # shared tensors stored once, made contiguous
+        # again with the digest of what was written: the metadata sits in the header, the data is laid out the same
+        save_model(model, str(tmp), metadata={**metadata, DIGEST_KEY: data_digest(tmp)})
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # safetensors writes its files 0600; give the usual mode (a server reads it)
@@ -291,6 +310,10 @@ def load_deployed(name_or_model: Union[str, nn.Module, None], path: PathLike,
     else:
         model = _reparameterize(name_or_model, inplace=True)
         what = _architecture(model) or type(model).__name__
+    if DIGEST_KEY in metadata and data_digest(path) != metadata[DIGEST_KEY]:  # files written before: not checked
+        raise DeployedCheckpointError(f'{path} is damaged: its tensors do not match the digest recorded when it was '
+                                      f'saved (bytes changed on disk or in a copy); copy it again or re-save it with '
+                                      f'vitblocks.deploy.io.save_deployed')
     try:
         load_model(model, str(path), strict=True, device=str(device))
     except SafetensorError as e:  # a valid header over truncated or damaged data

@@ -4,9 +4,10 @@ A training checkpoint is a plain dict of tensors, numbers, strings, lists and di
 states included, converted to tensors), so ``torch.load(weights_only=True)`` reads it. It is
 written to a temporary file in the same folder, flushed and fsynced, then renamed over the
 old one: a run killed while saving leaves the previous checkpoint intact. It also stores a
-SHA-256 digest of every tensor it holds (``tensor_digest``), checked on every load: torch's zip
-reader does not notice flipped bytes inside a tensor, which would otherwise load as silently
-wrong weights.
+SHA-256 digest of everything it holds (``state_digest``: every tensor, and every number, string and
+flag, such as an optimizer's betas or the step count), checked on every load: torch's zip reader
+does not notice flipped bytes, which would otherwise load as silently wrong weights or settings.
+Checkpoints written before hold ``tensor_digest`` (tensors only), still checked.
 
 Model weights for evaluation are also read from ``.safetensors`` files and from the usual
 timm / plain ``state_dict`` layouts.
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 __all__ = ['CheckpointError', 'save_checkpoint', 'load_checkpoint', 'load_model_weights', 'read_checkpoint',
-           'missing_checkpoint', 'rng_state', 'set_rng_state', 'tensor_digest', 'FORMAT']
+           'missing_checkpoint', 'rng_state', 'set_rng_state', 'tensor_digest', 'state_digest', 'FORMAT']
 
 FORMAT = 'vitblocks-train-checkpoint-v1'
 
@@ -51,12 +52,44 @@ def tensor_digest(obj: Any) -> str:
     return 'sha256:' + h.hexdigest()
 
 
+def state_digest(obj: Any) -> str:
+    """SHA-256 over everything in ``obj`` (nested dicts/lists): each tensor as :func:`tensor_digest` hashes it,
+    and each other value by its type and exact ``repr`` (floats round-trip), with its place."""
+    h = hashlib.sha256()
+
+    def walk(o: Any, where: str) -> None:
+        if isinstance(o, torch.Tensor):
+            t = o.detach().cpu().contiguous()
+            h.update(f'{where}|{t.dtype}|{tuple(t.shape)}|'.encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(o, dict):
+            h.update(f'{where}|dict|{len(o)}|'.encode())
+            for k, v in o.items():
+                walk(v, f'{where}/{k!r}')
+        elif isinstance(o, (list, tuple)):
+            h.update(f'{where}|{type(o).__name__}|{len(o)}|'.encode())
+            for i, v in enumerate(o):
+                walk(v, f'{where}/{i}')
+        else:
+            h.update(f'{where}|{type(o).__name__}|{o!r}|'.encode())
+
+    walk(obj, '')
+    return 'sha256:' + h.hexdigest()
+
+
 def verify_digest(ckpt: Any, path: Path) -> None:
-    """Raise CheckpointError if ``ckpt`` carries a ``tensor_digest`` its tensors do not match."""
-    if not isinstance(ckpt, dict) or 'tensor_digest' not in ckpt:
+    """Raise CheckpointError if ``ckpt`` carries a ``state_digest`` (or, written before, a ``tensor_digest``) that
+    its contents do not match."""
+    if not isinstance(ckpt, dict):
+        return
+    if 'state_digest' in ckpt:
+        key, digest = 'state_digest', state_digest
+    elif 'tensor_digest' in ckpt:
+        key, digest = 'tensor_digest', tensor_digest
+    else:
         return  # written by torch.save or an older vitblocks: nothing to check against
-    stored = ckpt['tensor_digest']
-    if tensor_digest({k: v for k, v in ckpt.items() if k != 'tensor_digest'}) != stored:
+    stored = ckpt[key]
+    if digest({k: v for k, v in ckpt.items() if k != key}) != stored:
         raise CheckpointError(f'{path}: corrupt: its tensors do not match the digest stored when it was written '
                               f'(bytes changed on disk or in a copy); use another checkpoint (best.pth, a backup) '
                               f'or re-copy the file')
@@ -64,8 +97,8 @@ def verify_digest(ckpt: Any, path: Path) -> None:
 
 def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:
     path = Path(path)
-    state = {'format': FORMAT, **state}
-    state['tensor_digest'] = tensor_digest(state)
+    state = {'format': FORMAT, **{k: v for k, v in state.items() if k not in ('tensor_digest', 'state_digest')}}
+    state['state_digest'] = state_digest(state)  # a loaded checkpoint saved again: over its contents, not its old digest
     try:
         fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
     except OSError as e:
