@@ -264,7 +264,8 @@ def test_eval_refuses_foreign_classes_and_missing_splits_and_honours_val_subset(
 def test_eval_reads_the_whole_split_whatever_val_subset_the_run_was_trained_with(run_dir, data, tmp_path, capsys):
     quick = load_checkpoint(run_dir / 'last.pth')  # as if trained with val_subset=8 (quick checks while training)
     quick['config']['val_subset'] = 8
-    save_checkpoint({k: v for k, v in quick.items() if k not in ('format', 'tensor_digest', 'state_digest')}, tmp_path / 'quick.pth')
+    save_checkpoint({k: v for k, v in quick.items() if k not in ('format', 'tensor_digest', 'state_digest')},
+                    tmp_path / 'quick.pth')
     for extra, images in (((), 40), (('val_subset=10',), 10)):  # the run's 8 was used unless one was given
         code, out, err = run_cli(capsys, 'eval', '--checkpoint', tmp_path / 'quick.pth', '--data', data, *extra,
                                  '--threads', 1, '--progress', 'none')

@@ -98,7 +98,7 @@ def verify_digest(ckpt: Any, path: Path) -> None:
 def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:
     path = Path(path)
     state = {'format': FORMAT, **{k: v for k, v in state.items() if k not in ('tensor_digest', 'state_digest')}}
-    state['state_digest'] = state_digest(state)  # a loaded checkpoint saved again: over its contents, not its old digest
+    state['state_digest'] = state_digest(state)  # a loaded checkpoint saved again: its contents, not its old digest
     try:
         fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
     except OSError as e:
