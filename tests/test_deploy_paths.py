@@ -226,3 +226,24 @@ def test_a_model_without_a_deploy_option_is_rebuilt_with_the_recorded_block_cfg(
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+
+
+def test_a_full_disk_while_writing_bench_json_leaves_the_old_file_and_no_litter(tmp_path, monkeypatch, capsys):
+    """A disk that fills while the JSON is written (here: a writer that stops after half the text): one line,
+    exit 2, the previous file as it was and no 0-byte or half-written .tmp beside it."""
+    import pathlib
+    out = tmp_path / 'bench.json'
+    out.write_text('previous')
+    real = pathlib.Path.write_text
+
+    def half_then_full(self, text, *args, **kwargs):
+        if self.name.endswith('.tmp'):
+            real(self, text[:len(text) // 2], *args, **kwargs)
+            raise OSError(28, 'No space left on device')
+        return real(self, text, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, 'write_text', half_then_full)
+    code = main(['bench', 'deit_tiny_patch16_224', '--img-size', '32', '--num-classes', '10', '--batch-size', '1',
+                 '--warmup', '0', '--repeats', '1', '--json', str(out)])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and 'No space left on device' in err
+    assert out.read_text() == 'previous' and sorted(p.name for p in tmp_path.iterdir()) == ['bench.json']

@@ -100,8 +100,12 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` through ``<path>.tmp`` and a rename, so a reader never sees half a file (a killed
     write leaves only the ``.tmp`` that ``remove_stale_temporaries`` deletes)."""
     tmp = path.with_name(path.name + '.tmp')
-    tmp.write_text(text, encoding='utf-8')
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding='utf-8')
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a kill: no half-written .tmp left beside the file, which stays as it was
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json(path: Path, obj) -> None:
