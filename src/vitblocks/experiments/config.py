@@ -242,11 +242,23 @@ def _check_values(data: Mapping[str, Any], where: str) -> Dict[str, Any]:
     return out
 
 
+def _nesterov(opt: str) -> bool:
+    """Whether timm's optimizer ``opt`` is built with Nesterov momentum (sgd, nesterov, sgdp, nlars)."""
+    from timm.optim import get_optimizer_info
+    try:
+        return bool((get_optimizer_info(opt.lower()).defaults or {}).get('nesterov'))
+    except (ValueError, KeyError):  # an unknown name: the optimizer factory names it
+        return False
+
+
 def _validate(cfg: TrainConfig) -> None:
     """Checks that involve more than one key (single values are checked by the schema)."""
     if cfg.name is not None and (cfg.name in ('', '.', '..') or any(sep in cfg.name for sep in ('/', '\\'))):
         raise ConfigError(f'name={cfg.name!r} must be one folder name inside output={cfg.output!r} (no / or \\, '
                           f'not . or ..); put the folder in output to train elsewhere')
+    if cfg.momentum is not None and cfg.momentum <= 0 and _nesterov(cfg.opt):
+        raise ConfigError(f'opt={cfg.opt} is timm\'s SGD with Nesterov momentum, which needs momentum > 0 (got '
+                          f'momentum={cfg.momentum}); give momentum > 0, or opt=momentum momentum=0 for plain SGD')
     std = cfg.std if isinstance(cfg.std, (list, tuple)) else ()
     if any(isinstance(v, (int, float)) and v <= 0 for v in std):
         raise ConfigError(f'std={list(std)}: every channel\'s std must be > 0 (the input is divided by it); give '
