@@ -1089,7 +1089,7 @@ def test_eval_renumbers_a_dataset_whose_classes_are_in_another_order(data, tmp_p
     (['std=[0, 0.2, 0.2]'], "std=[0.0, 0.2, 0.2]: every channel's std must be > 0"),
     (['opt=sgd', 'momentum=0'], 'opt=sgd is timm\'s SGD with Nesterov momentum, which needs momentum > 0'),
 ])
-def test_a_run_folder_outside_output_a_zero_std_and_momentumless_nesterov_are_one_line_errors(data, tmp_path, capsys, argv, message):
+def test_config_values_found_wrong_before_training_are_one_line_errors(data, tmp_path, capsys, argv, message):
     code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--output',
                              tmp_path / 'runs', '--max-steps', 1, *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
