@@ -736,6 +736,7 @@ def test_torchrun_two_cpu_processes_train_and_evaluate(data, tmp_path):
         shutil.rmtree(tmp_path / 'run', ignore_errors=True)  # a port taken by another process: launch once more
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(': top-1 ') == 1, proc.stdout  # one summary for the run, not one per process
     import json
     res = json.loads((tmp_path / 'run' / 'results.json').read_text())
     # each process takes 96 / 2 = 48 images per epoch: 12 steps of 4, global batch 8

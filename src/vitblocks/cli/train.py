@@ -7,6 +7,7 @@ from ..data import DataError, resolve_data_path
 from ..experiments import (CheckpointError, ConfigError, LostProcess, TrainingDiverged, TrainingInterrupted,
                            list_recipes, load_config, load_recipe, merge, parse_overrides, train)
 from ..experiments.config import RESUME_CHANGEABLE
+from ..experiments.distributed import launched_rank
 from .common import CliError, check_writable_dir, positive_int, refuse_disagreeing_flags
 
 NAME = 'train'
@@ -128,6 +129,8 @@ def run(args) -> int:
     except TrainingInterrupted as e:
         print(f'vitblocks train: stopped by {e}', file=sys.stderr)
         return 130
+    if launched_rank() != 0:  # under torchrun: one summary per run, from rank 0
+        return 0
     f = result.final
     print(f'run      {result.run_dir}')
     print(f'trained  {result.global_step} steps ({result.epochs_done:.2f} epochs) in {result.seconds:.0f} s')

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..data import DataError
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
-from .distributed import shutdown
+from .distributed import launched_rank, shutdown
 from .engine import LostProcess, TrainingDiverged, default_run_name, train
 from .interrupt import TrainingInterrupted
 
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         return 130
     finally:
         shutdown()  # the process group, before the interpreter tears down gloo's threads (distributed.py)
-    if result.final is not None:
+    if result.final is not None and launched_rank() == 0:  # one summary per run, not one per process
         print(f'{result.run_dir}: top-1 {result.final.top1:.2f}% after {result.global_step} steps')
     return 0
 

@@ -18,7 +18,7 @@ from torch.distributed.constants import default_pg_timeout
 
 __all__ = ['DistInfo', 'init_distributed', 'attempt_store', 'agree_on_attempt', 'all_reduce_sum', 'PendingSum',
            'all_reduce_sum_async', 'barrier', 'broadcast_object', 'gather_object', 'is_lost_peer',
-           'raise_on_every_rank', 'sync_batchnorm_stats', 'shutdown']
+           'raise_on_every_rank', 'sync_batchnorm_stats', 'shutdown', 'launched_rank']
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,12 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def launched_rank() -> int:
+    """This process's rank as the launcher set it (torchrun's ``RANK``; 0 when not launched as several
+    processes): what decides who prints a run's summary, also after the process group is gone."""
+    return int(os.environ.get('RANK', '0')) if int(os.environ.get('WORLD_SIZE', '1')) > 1 else 0
 
 
 def init_distributed(device_type: str, timeout: timedelta = default_pg_timeout) -> DistInfo:
