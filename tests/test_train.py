@@ -1095,3 +1095,18 @@ def test_config_values_found_wrong_before_training_are_one_line_errors(data, tmp
                              tmp_path / 'runs', '--max-steps', 1, *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / 'escape').exists() and not any(tmp_path.parent.glob('escape'))
+
+
+def test_the_collective_timeout_is_a_config_key(data, tmp_path, monkeypatch):
+    """dist_timeout_min reaches the process group (it was fixed at 30 minutes); 0 is an error; resume may change it."""
+    from vitblocks.experiments import engine
+    from vitblocks.experiments.config import RESUME_CHANGEABLE
+    seen = []
+    real = engine.init_distributed
+    monkeypatch.setattr(engine, 'init_distributed', lambda device, timeout: seen.append(timeout) or real(device))
+    train(tiny_cfg(data, tmp_path, max_steps=1, dist_timeout_min=5))
+    from datetime import timedelta
+    assert seen == [timedelta(minutes=5)]
+    with pytest.raises(ConfigError, match='dist_timeout_min'):
+        tiny_cfg(data, tmp_path, dist_timeout_min=0)
+    assert 'dist_timeout_min' in RESUME_CHANGEABLE

@@ -24,7 +24,7 @@ RECIPE_DIR = Path(__file__).parent / 'recipes'
 RESUME_CHANGEABLE = frozenset({'epochs', 'max_steps', 'workers', 'threads', 'progress', 'log_interval',
                                'checkpoint_interval', 'eval_interval', 'tensorboard', 'device',
                                'compile', 'compile_mode', 'resume', 'channels_last', 'grad_accum',
-                               'grad_checkpointing'})
+                               'grad_checkpointing', 'dist_timeout_min'})
 # keys that say where a run lives or reads from, not what it computes: a resumed run may differ in them
 # (``data``/``train_url`` only when the dataset is the same one, checked against the checkpoint's dataset manifest)
 RESUME_LOCATION = frozenset({'data', 'train_url', 'output', 'name', 'initial_checkpoint'})
@@ -130,6 +130,7 @@ class TrainConfig:
     grad_accum: int = 1             # micro-batches per optimizer step; global batch = batch_size x processes x this
     sync_bn: bool = False           # BatchNorm statistics over all processes (torch SyncBatchNorm; CUDA only)
     dist_bn: str = 'reduce'         # without sync_bn: 'reduce' (average) or 'broadcast' BN stats before eval/save
+    dist_timeout_min: float = 30.0  # minutes a collective (and the processes' first meeting) waits before failing
     channels_last: bool = False     # model and input batches in channels-last memory format
 
     @property

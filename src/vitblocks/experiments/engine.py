@@ -14,6 +14,7 @@ import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
@@ -91,7 +92,7 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
-        self.dist: DistInfo = init_distributed(self.device.type)
+        self.dist: DistInfo = init_distributed(self.device.type, timedelta(minutes=cfg.dist_timeout_min))
         if self.device.type == 'cuda':
             set_cuda_matmul_precision(cfg.matmul_precision)
             if self.dist.enabled:

@@ -232,6 +232,7 @@ RULES: Dict[str, Callable[[Any], str]] = {
     **{k: (lambda v: '' if 0 < v <= 1 else 'a number in (0, 1]') for k in ('crop_pct', 'layer_decay')},
     'input_size': lambda v: '' if len(v) == 3 and v[0] in (1, 3) and min(v) >= 1 else '[C, H, W] with C = 1 or 3',
     'scale': _list_len(2, _PROBABILITY), 'ratio': _list_len(2, _at_least(0, strict=True)),
+    'dist_timeout_min': _at_least(0, strict=True),
     'opt_betas': lambda v: _list_len(3 if len(v) == 3 else 2, _between(0, 1, high_open=True))(v),  # adan: 3
     'mean': lambda v: '' if not isinstance(v, str) or v in ('model', 'dataset')
     else "'model', 'dataset' or a list of per-channel values",
