@@ -1110,3 +1110,25 @@ def test_the_collective_timeout_is_a_config_key(data, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match='dist_timeout_min'):
         tiny_cfg(data, tmp_path, dist_timeout_min=0)
     assert 'dist_timeout_min' in RESUME_CHANGEABLE
+
+
+def test_checkpoint_history_keeps_the_newest_and_resume_falls_back_to_it(data, tmp_path, capsys):
+    """checkpoint_hist=2 keeps copies of the two newest last.pth; with last.pth corrupt, a resume continues from the
+    newest good copy (saying so) instead of refusing, and ends where an uninterrupted run ends."""
+    cfg = tiny_cfg(data, tmp_path, epochs=3, checkpoint_hist=2)
+    first = train(merge(cfg.to_dict(), {'max_steps': 36}))  # 3 epochs of 12 steps: a copy at 12, 24, 36
+    assert first.global_step == 36
+    history = sorted(p.name for p in (tmp_path / 'run' / 'history').iterdir())
+    assert history == ['step000000024.pth', 'step000000036.pth']
+    last = tmp_path / 'run' / 'last.pth'
+    data_bytes = bytearray(last.read_bytes())
+    data_bytes[len(data_bytes) // 2] ^= 0xFF
+    last.write_bytes(bytes(data_bytes))
+    (tmp_path / 'run' / 'history' / 'step000000036.pth').write_bytes(b'cut short')  # the newest copy is bad too
+    capsys.readouterr()
+    with pytest.raises(CheckpointError):
+        load_checkpoint(last)
+    resumed = train(cfg, run_dir=tmp_path / 'run', resume=last)
+    printed = capsys.readouterr().out
+    assert 'resuming from' in printed and 'step000000024.pth instead' in printed
+    assert resumed.global_step == 36 and load_checkpoint(last)['global_step'] == 36

@@ -15,6 +15,7 @@ timm / plain ``state_dict`` layouts.
 import hashlib
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Union
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 
 __all__ = ['CheckpointError', 'save_checkpoint', 'load_checkpoint', 'load_model_weights', 'read_checkpoint',
-           'missing_checkpoint', 'rng_state', 'set_rng_state', 'tensor_digest', 'state_digest', 'FORMAT']
+           'missing_checkpoint', 'rng_state', 'set_rng_state', 'tensor_digest', 'state_digest', 'FORMAT',
+           'keep_in_history', 'newest_good_in_history', 'HISTORY']
 
 FORMAT = 'vitblocks-train-checkpoint-v1'
 
@@ -93,6 +95,38 @@ def verify_digest(ckpt: Any, path: Path) -> None:
         raise CheckpointError(f'{path}: corrupt: its tensors do not match the digest stored when it was written '
                               f'(bytes changed on disk or in a copy); use another checkpoint (best.pth, a backup) '
                               f'or re-copy the file')
+
+
+HISTORY = 'history'  # a run folder's copies of its newest last.pth (checkpoint_hist)
+
+
+def keep_in_history(run_dir: Path, step: int, keep: int) -> None:
+    """Copy the run's ``last.pth`` to ``history/step<step>.pth`` and delete all but the ``keep`` newest copies.
+    A copy, not a link: a byte flipped on disk in one must not reach the other."""
+    history = Path(run_dir) / HISTORY
+    history.mkdir(exist_ok=True)
+    dst = history / f'step{step:09d}.pth'
+    tmp = history / f'.{dst.name}.tmp'
+    try:
+        shutil.copyfile(Path(run_dir) / 'last.pth', tmp)
+        os.replace(tmp, dst)
+    except OSError as e:  # a full disk: last.pth itself is saved; the history stays as it was
+        tmp.unlink(missing_ok=True)
+        print(f'checkpoint history: could not copy last.pth to {dst} ({e.strerror or e}); kept the older copies',
+              flush=True)
+        return
+    for old in sorted(history.glob('step*.pth'))[:-keep]:
+        old.unlink(missing_ok=True)
+
+
+def newest_good_in_history(run_dir: Path):
+    """(path, checkpoint) of the newest copy in the run's history that loads and passes its digest, else None."""
+    for path in sorted((Path(run_dir) / HISTORY).glob('step*.pth'), reverse=True):
+        try:
+            return path, load_checkpoint(path)
+        except CheckpointError:
+            continue
+    return None
 
 
 def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:

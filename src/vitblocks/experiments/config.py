@@ -24,7 +24,7 @@ RECIPE_DIR = Path(__file__).parent / 'recipes'
 RESUME_CHANGEABLE = frozenset({'epochs', 'max_steps', 'workers', 'threads', 'progress', 'log_interval',
                                'checkpoint_interval', 'eval_interval', 'tensorboard', 'device',
                                'compile', 'compile_mode', 'resume', 'channels_last', 'grad_accum',
-                               'grad_checkpointing', 'dist_timeout_min'})
+                               'grad_checkpointing', 'dist_timeout_min', 'checkpoint_hist'})
 # keys that say where a run lives or reads from, not what it computes: a resumed run may differ in them
 # (``data``/``train_url`` only when the dataset is the same one, checked against the checkpoint's dataset manifest)
 RESUME_LOCATION = frozenset({'data', 'train_url', 'output', 'name', 'initial_checkpoint'})
@@ -120,6 +120,7 @@ class TrainConfig:
     max_steps: Optional[int] = None  # stop after this many optimizer steps (a budget; schedule unchanged)
     log_interval: int = 50          # steps between metric rows / progress lines
     checkpoint_interval: int = 0    # also save last.pth every N steps (0: at epoch ends only)
+    checkpoint_hist: int = 0        # keep copies of the N newest last.pth in history/ (resume falls back to them)
     eval_interval: int = 1          # epochs between evaluations
     progress: str = 'auto'          # 'bar' (tqdm), 'log' (lines), 'none', 'auto' (bar on a terminal)
     tensorboard: bool = True        # if the tensorboard package is installed

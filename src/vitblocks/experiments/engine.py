@@ -28,7 +28,7 @@ from torch import nn
 
 from ..data import derive_seed
 from ..profile import count_params
-from .checkpoint import CheckpointError, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import CheckpointError, keep_in_history, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError, TrainConfig, check_resume_config, save_config
 from .distributed import (DistInfo, all_reduce_sum, all_reduce_sum_async, barrier, broadcast_object, init_distributed,
                           is_lost_peer, sync_batchnorm_stats)
@@ -297,6 +297,8 @@ class Trainer:
         state = state or self._state()  # every rank takes part (RNG gather); rank 0 writes
         if self.dist.is_main:
             save_checkpoint(state, self.run_dir / name)
+            if name == 'last.pth' and self.cfg.checkpoint_hist:
+                keep_in_history(self.run_dir, self.global_step, self.cfg.checkpoint_hist)
         if name == 'last.pth':
             self._saved_step = self.global_step
 

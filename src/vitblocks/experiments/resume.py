@@ -3,7 +3,7 @@ every rank), the saved config checked against the resumed one."""
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, newest_good_in_history
 from .config import RESUME_CHANGEABLE, ConfigError, TrainConfig
 from .distributed import gather_object, raise_on_every_rank
 
@@ -35,6 +35,11 @@ def load_on_every_rank(resume: Optional[Path], cfg: TrainConfig) -> Optional[Dic
             ckpt = load_checkpoint(resume)
         except CheckpointError as e:
             error = str(e)
+            fallback = newest_good_in_history(Path(resume).parent) if Path(resume).name == 'last.pth' else None
+            if fallback is not None:  # checkpoint_hist: the newest copy that is whole (every rank finds the same)
+                print(f'{error}\nresuming from {fallback[0]} instead (the newest good copy in its history)',
+                      flush=True)
+                ckpt, error = fallback[1], None
     raise_on_every_rank(error, CheckpointError)
     if ckpt is not None and cfg.resume == 'auto':
         old, new = ckpt.get('config', {}), cfg.to_dict()

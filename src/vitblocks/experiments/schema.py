@@ -225,7 +225,7 @@ RULES: Dict[str, Callable[[Any], str]] = {
                                   'clip_grad', 'mixup', 'cutmix', 'color_jitter', 'decay_epochs', 'momentum',
                                   'opt_eps')},
     **{k: (lambda v: '' if v >= 0 else 'an integer >= 0')
-       for k in ('checkpoint_interval', 'workers', 'crop_padding', 'patience_epochs')},
+       for k in ('checkpoint_interval', 'workers', 'crop_padding', 'patience_epochs', 'checkpoint_hist')},
     **{k: _PROBABILITY for k in ('hflip', 'vflip', 'reprob', 'mixup_prob', 'mixup_switch_prob', 'decay_rate',
                                  'model_ema_decay')},
     **{k: _between(0, 1, high_open=True) for k in ('smoothing', 'drop_rate', 'drop_path_rate', 'mlp_drop')},
