@@ -102,18 +102,29 @@ def _lrs(run_dir):
         return {int(r['step']): float(r['lr']) for r in csv.DictReader(f) if r['split'] == 'train'}
 
 
-def test_resume_with_another_global_batch_drops_the_rows_of_the_killed_attempt(data, tmp_path):
+def test_resume_drops_the_rows_of_the_killed_attempt(data, tmp_path):
     import shutil
     run, cfg = tmp_path / 'run', dict(batch_size=4, eval_interval=1)
     train(_cfg(data, tmp_path, max_steps=4, **cfg))
     shutil.copy(run / 'last.pth', tmp_path / 'step4.pth')
     train(_cfg(data, tmp_path, max_steps=6, **cfg), resume=run)  # writes rows 5, 6 and a val row at 6 ...
     shutil.copy(tmp_path / 'step4.pth', run / 'last.pth')  # ... and is killed: its last checkpoint is step 4's
-    train(_cfg(data, tmp_path, max_steps=5, grad_accum=2, **cfg), resume=run)  # step 4 of batch 4 = step 2 of 8
+    train(_cfg(data, tmp_path, max_steps=5, **cfg), resume=run)
     with open(run / 'metrics.csv') as f:
         rows = [(int(r['step']), r['split']) for r in csv.DictReader(f)]
-    assert rows == [(1, 'train'), (2, 'train'), (3, 'train'), (4, 'train'), (4, 'val'),
-                    (3, 'train'), (4, 'train'), (5, 'train'), (5, 'val')]
+    assert rows == [(1, 'train'), (2, 'train'), (3, 'train'), (4, 'train'), (4, 'val'), (5, 'train'), (5, 'val')]
+
+
+def test_resume_with_another_global_batch_is_refused_with_the_way_to_keep_it(data, tmp_path):
+    """Global batch 4 saved, 8 asked (grad_accum=2): one error that names the grad_accum keeping it; the metrics
+    and the checkpoint are as they were (before, the steps were renumbered: two different rows of one step)."""
+    run, cfg = tmp_path / 'run', dict(batch_size=4, eval_interval=1)
+    train(_cfg(data, tmp_path, max_steps=4, **cfg))
+    rows_before = (run / 'metrics.csv').read_text()
+    with pytest.raises(ConfigError, match=r'global batch of 4 \(1 process\(es\) x batch_size 4 x grad_accum 1\); '
+                                          r'this resume has 8 \(1 x 4 x 2\).* resume with grad_accum=1 to keep it'):
+        train(_cfg(data, tmp_path, max_steps=6, grad_accum=2, **cfg), resume=run)
+    assert (run / 'metrics.csv').read_text() == rows_before and load_checkpoint(run / 'last.pth')['global_step'] == 4
 
 
 def test_resume_with_more_epochs_follows_the_longer_schedule(data, tmp_path):
@@ -228,7 +239,7 @@ def test_resume_auto_starts_then_resumes_and_checks_the_config(data, tmp_path):
 
 def test_sync_bn_on_cpu_processes_is_refused_clearly(data, tmp_path, monkeypatch):
     from vitblocks.experiments import engine
-    monkeypatch.setattr(engine, 'init_distributed', lambda device_type: engine.DistInfo(0, 2, 0))
+    monkeypatch.setattr(engine, 'init_distributed', lambda device_type, timeout=None: engine.DistInfo(0, 2, 0))
     with pytest.raises(ConfigError, match="SyncBatchNorm runs on CUDA devices only"):
         train(_cfg(data, tmp_path, sync_bn=True, model='repa_deit_tiny_patch16_224', model_kwargs=TINY_REPA))
 

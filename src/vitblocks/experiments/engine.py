@@ -92,7 +92,7 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
-        self.dist: DistInfo = init_distributed(self.device.type, timedelta(minutes=cfg.dist_timeout_min))
+        self.dist: DistInfo = init_distributed(self.device.type, timeout=timedelta(minutes=cfg.dist_timeout_min))
         if self.device.type == 'cuda':
             set_cuda_matmul_precision(cfg.matmul_precision)
             if self.dist.enabled:
@@ -226,7 +226,26 @@ class Trainer:
         barrier()
         return path
 
+    def _check_global_batch(self, ckpt: Dict[str, Any], path: Path) -> None:
+        """A resume must keep the global batch (batch_size x processes x grad_accum): another one would renumber
+        the steps, train some samples twice or not at all, and keep a learning rate scaled for the old batch.
+        Another number of processes with the same global batch (grad_accum or batch_size adjusted) resumes step
+        for step: step b of an epoch covers positions [b*B, (b+1)*B) of its permutation whatever the world size."""
+        saved = ckpt.get('global_batch', self.global_batch)
+        if saved == self.global_batch:
+            return
+        old = ckpt.get('config', {})
+        world, saved_world = self.dist.world_size, len(ckpt.get('rng') or [None])
+        per_rank = self.cfg.batch_size * world
+        keep = f'grad_accum={saved // per_rank}' if saved % per_rank == 0 else f'{saved_world} process(es)'
+        raise ConfigError(f'{path} was trained with a global batch of {saved} ({saved_world} process(es) x batch_size '
+                          f'{old.get("batch_size", "?")} x grad_accum {old.get("grad_accum", 1)}); this resume has '
+                          f'{self.global_batch} ({world} x {self.cfg.batch_size} x {self.cfg.grad_accum}), which would '
+                          f'renumber its steps and samples; resume with {keep} to keep it, or start a new run from '
+                          f'its weights (initial_checkpoint={path})')
+
     def _restore(self, ckpt: Dict[str, Any], path: Path) -> None:
+        self._check_global_batch(ckpt, path)  # before anything is loaded or any metrics row is dropped
         try:
             self.model.load_state_dict(ckpt['model'])
             self.optimizer.load_state_dict(ckpt['optimizer'])
@@ -248,15 +267,6 @@ class Trainer:
         states = ckpt['rng']
         if self.log is not None:  # rows a killed attempt wrote after this checkpoint are recomputed (saved steps)
             self.log.truncate_after(self.global_step)
-        saved_batch = ckpt.get('global_batch', self.global_batch)
-        if saved_batch != self.global_batch:
-            # another number of processes (or accumulation): keep the position in samples seen. Step b of
-            # an epoch covers positions [b*B, (b+1)*B) of the epoch's permutation whatever the world
-            # size (EpochOrder), so the new run starts at the first batch not yet (wholly) seen.
-            seen = self.epoch_step * saved_batch
-            self.epoch_step = seen // self.global_batch
-            self.global_step = self.epoch * self.steps_per_epoch + self.epoch_step
-            self._window = (0.0, 0)
         if self.dist.rank < len(states):
             set_rng_state(states[self.dist.rank])
         else:  # a process the saved run did not have: a fresh seed of its own
