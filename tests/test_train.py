@@ -1132,3 +1132,43 @@ def test_checkpoint_history_keeps_the_newest_and_resume_falls_back_to_it(data, t
     printed = capsys.readouterr().out
     assert 'resuming from' in printed and 'step000000024.pth instead' in printed
     assert resumed.global_step == 36 and load_checkpoint(last)['global_step'] == 36
+
+
+def test_a_disk_that_fills_during_a_checkpoint_is_one_line_and_keeps_the_previous(data, tmp_path, capsys, monkeypatch):
+    """A checkpoint write that stops part-way (the disk fills: torch's zip writer says 'unexpected pos ...', which
+    was a 43-line traceback): one line, exit 2, the previous last.pth intact and loadable, no temporary left."""
+    import errno
+    kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=none',
+          'tensorboard=false']
+    code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
+                             'ninformer', '--max-steps', 2, '--batch-size', 8, '--output', tmp_path, '--name', 'r',
+                             '--threads', 1, *kw)
+    assert code == 0, err
+    from vitblocks.experiments import checkpoint
+    real_fdopen = checkpoint.os.fdopen
+
+    class FillsUp:  # the real file, until 4 KiB have gone in
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            if self.n + len(b) > 4096:
+                raise OSError(errno.ENOSPC, 'No space left on device')
+            self.n += len(b)
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+    monkeypatch.setattr(checkpoint.os, 'fdopen', lambda fd, mode: FillsUp(real_fdopen(fd, mode)))
+    code, out, err = run_cli(capsys, 'train', '--resume', tmp_path / 'r', 'max_steps=4')
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert 'cannot write the checkpoint: the write stopped part-way' in err and 'previous checkpoint is intact' in err
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / 'r' / 'last.pth')['global_step'] == 2
+    assert not [p for p in (tmp_path / 'r').iterdir() if p.name.endswith('.tmp')]

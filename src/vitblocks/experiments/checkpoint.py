@@ -149,10 +149,26 @@ def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:
     except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        kept = 'the previous checkpoint is intact' if path.exists() else 'no checkpoint was written'
         if isinstance(e, OSError):  # a full disk, a quota, a vanished folder
-            kept = 'the previous checkpoint is intact' if path.exists() else 'no checkpoint was written'
             raise CheckpointError(f'{path}: cannot write the checkpoint ({e.strerror or e}); {kept}') from None
+        if isinstance(e, RuntimeError) and _stream_write_failed(e):  # torch's zip writer: "unexpected pos ..."
+            raise CheckpointError(f'{path}: cannot write the checkpoint: the write stopped part-way '
+                                  f'({_free_space(path.parent)}; a full disk or quota?); {kept}') from None
         raise
+
+
+def _stream_write_failed(e: RuntimeError) -> bool:
+    """Whether torch.save's zip writer failed to write (it reports a short write as a position mismatch)."""
+    text = str(e)
+    return any(m in text for m in ('unexpected pos', 'PytorchStreamWriter failed', 'file write failed'))
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        return f'{shutil.disk_usage(folder).free / 2 ** 20:.1f} MiB free in {folder}'
+    except OSError:
+        return f'free space in {folder} unknown'
 
 
 def missing_checkpoint(path: Path) -> str:
