@@ -247,3 +247,40 @@ def test_a_full_disk_while_writing_bench_json_leaves_the_old_file_and_no_litter(
     _, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1 and 'No space left on device' in err
     assert out.read_text() == 'previous' and sorted(p.name for p in tmp_path.iterdir()) == ['bench.json']
+
+
+def test_a_full_disk_during_a_pt2_export_is_one_line_not_an_abort(tmp_path, monkeypatch, capsys):
+    """torch's C++ writer aborted the process (exit 134) when the disk filled under torch.export.save; the program
+    is now serialized in memory and written by Python, whose failure is one line with the old file kept."""
+    import pathlib
+    out = tmp_path / 'm.pt2'
+    out.write_bytes(b'previous')
+    real = pathlib.Path.write_bytes
+
+    def half_then_full(self, data):
+        real(self, bytes(data)[:len(data) // 2])
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(pathlib.Path, 'write_bytes', half_then_full)
+    code = main(['export', 'bench_repa_vit_tiny_patch4_32', '--reparam', '--format', 'pt2', '--out', str(out)])
+    _, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and 'No space left on device' in err
+    assert out.read_bytes() == b'previous' and sorted(p.name for p in tmp_path.iterdir()) == ['m.pt2']
+
+
+def test_a_full_disk_while_saving_a_deployed_file_is_an_oserror_that_keeps_the_old_file(tmp_path, monkeypatch):
+    """safetensors reports a full disk as a SafetensorError (seen on a 200 KiB tmpfs: 'Error while serializing: I/O
+    error: No space left on device (os error 28)'), which convert and export did not catch: it is an OSError now,
+    with the previous file kept and nothing left beside it."""
+    from safetensors import SafetensorError
+    from vitblocks.deploy import io as deploy_io
+    from vitblocks.deploy.io import save_deployed
+    model = timm.create_model('bench_repa_vit_tiny_patch4_32')
+    out = tmp_path / 'm.safetensors'
+    out.write_bytes(b'previous')
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+    monkeypatch.setattr(deploy_io, 'save_model', full)
+    with pytest.raises(OSError, match='No space left on device'):
+        save_deployed(model, out)
+    assert out.read_bytes() == b'previous' and sorted(p.name for p in tmp_path.iterdir()) == ['m.safetensors']

@@ -19,6 +19,7 @@ users: :func:`export_torchscript` warns and points to :func:`export_pt2`.
 The command line is ``vitblocks export``.
 """
 import importlib.util
+import io
 import warnings
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -95,8 +96,12 @@ def export_pt2(model: nn.Module, path: PathLike, input_size: Optional[Sequence[i
     path = _prepare(model, path)
     x = example_input(model, input_size, traced_batch_size(batch_size, dynamic_batch))
     program = torch.export.export(model, (x,), dynamic_shapes=(_batch_dim(),) if dynamic_batch else None)
+    # serialized in memory first: torch's C++ zip writer aborts the whole process when a write to a file fails (a
+    # full disk); Python's write below raises an OSError the caller reports, and the old file stays
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
     with written_in_place_at_the_end(path) as tmp:
-        torch.export.save(program, str(tmp))
+        tmp.write_bytes(buffer.getbuffer())
     return path
 
 

@@ -180,9 +180,12 @@ def write_safetensors(model: nn.Module, path: PathLike, metadata: Dict[str, str]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_in_place_at_the_end(path) as tmp:
-        save_model(model, str(tmp), metadata=metadata)  # shared tensors stored once, made contiguous
-        # again with the digest of what was written: the metadata sits in the header, the data is laid out the same
-        save_model(model, str(tmp), metadata={**metadata, DIGEST_KEY: data_digest(tmp)})
+        try:
+            save_model(model, str(tmp), metadata=metadata)  # shared tensors stored once, made contiguous
+            # again with the digest of what was written: the metadata sits in the header, the data is laid out alike
+            save_model(model, str(tmp), metadata={**metadata, DIGEST_KEY: data_digest(tmp)})
+        except SafetensorError as e:  # safetensors reports a full disk as its own error: an OSError for the callers
+            raise OSError(f'cannot write {path}: {e}') from None
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # safetensors writes its files 0600; give the usual mode (a server reads it)
