@@ -1172,3 +1172,17 @@ def test_a_disk_that_fills_during_a_checkpoint_is_one_line_and_keeps_the_previou
     monkeypatch.undo()
     assert load_checkpoint(tmp_path / 'r' / 'last.pth')['global_step'] == 2
     assert not [p for p in (tmp_path / 'r').iterdir() if p.name.endswith('.tmp')]
+
+
+def test_the_run_folder_is_checked_before_the_data_is_decoded(data, tmp_path, capsys, monkeypatch):
+    """A --name that is a file, or a folder holding a run, is one line before any data is read (it was a traceback
+    for a file, and the folder was checked only after the whole training split had been decoded)."""
+    from vitblocks.cli import train as train_cmd
+    (tmp_path / 'afile').write_text('x')
+    (tmp_path / 'done').mkdir()
+    (tmp_path / 'done' / 'last.pth').write_bytes(b'x')
+    monkeypatch.setattr(train_cmd, 'train', lambda *a, **k: pytest.fail('the data was read before the check'))
+    for name, message in (('afile', 'is a file, not a run folder'), ('done', 'already holds a run (last.pth)')):
+        code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--output',
+                                 tmp_path, '--name', name, '--max-steps', 1)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

@@ -8,6 +8,7 @@ from ..experiments import (CheckpointError, ConfigError, LostProcess, TrainingDi
                            list_recipes, load_config, load_recipe, merge, parse_overrides, train)
 from ..experiments.config import RESUME_CHANGEABLE
 from ..experiments.distributed import launched_rank
+from ..experiments.engine import default_run_name, new_run_folder_problem
 from .common import CliError, check_writable_dir, positive_int, refuse_disagreeing_flags
 
 NAME = 'train'
@@ -114,6 +115,9 @@ def build_config(args):
     recipe = load_recipe(args.config) if args.config else {}
     cfg = merge(recipe, overrides)
     check_writable_dir(Path(cfg.output), '--output')  # before the data is decoded, not after
+    problem = new_run_folder_problem(Path(cfg.output) / (cfg.name or default_run_name(cfg)))
+    if problem:  # the same check the trainer makes, before the long work
+        raise CliError(problem)
     return cfg, None
 
 

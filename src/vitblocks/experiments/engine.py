@@ -83,6 +83,20 @@ def seed_everything(seed: int, deterministic: bool, device: torch.device) -> Non
         torch.backends.cudnn.benchmark = True
 
 
+def new_run_folder_problem(path: Path) -> Optional[str]:
+    """Why a new run cannot go to ``path`` (a file there, or a run already), or None. Checked by the command line
+    before the data is decoded, and again by the trainer."""
+    if path.exists() and not path.is_dir():
+        return f'{path} is a file, not a run folder; pick another --name / --output'
+    if (path / 'last.pth').exists():
+        return (f'{path} already holds a run (last.pth); resume it with --resume {path}, or pick another --name / '
+                f'--output')
+    if (path / 'results.json').exists():  # a finished run whose checkpoints are gone
+        return (f'{path} already holds a finished run (results.json); a new run there would overwrite its results '
+                f'and metrics: pick another --name / --output, or remove the folder')
+    return None
+
+
 class Trainer:
     """One run. ``Trainer(cfg, ...).fit()``; the pieces are attributes so benchmarks can time a step."""
 
@@ -205,14 +219,12 @@ class Trainer:
             path = Path(self.cfg.output) / (self.cfg.name or default_run_name(self.cfg))
         error = None
         if self.dist.is_main:
-            if resume is None and (path / 'last.pth').exists():
-                error = (f'{path} already holds a run (last.pth); resume it with --resume {path}, '
-                         f'or pick another --name / --output')
-            elif resume is None and (path / 'results.json').exists():  # a finished run whose checkpoints are gone
-                error = (f'{path} already holds a finished run (results.json); a new run there would overwrite its '
-                         f'results and metrics: pick another --name / --output, or remove the folder')
-            else:
-                path.mkdir(parents=True, exist_ok=True)
+            error = new_run_folder_problem(path) if resume is None else None
+            if error is None:
+                try:
+                    path.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise ConfigError(f'{path}: cannot create the run folder ({e.strerror or e})') from None
                 self._notes += [f'removed {p.name}, left by a write that was killed' for p in
                                 remove_stale_temporaries(path)]
                 # on resume too: a longer budget or other logging settings are part of the run from now on
