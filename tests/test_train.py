@@ -1186,3 +1186,32 @@ def test_the_run_folder_is_checked_before_the_data_is_decoded(data, tmp_path, ca
         code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--output',
                                  tmp_path, '--name', name, '--max-steps', 1)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_unreadable_and_corrupt_files_are_named_for_what_they_are(data, tmp_path, monkeypatch):
+    """A checkpoint this user may not read is a permission problem, not 'corrupt'; a data.pkl with a byte that is no
+    pickle opcode is corrupt, not 'would run code'; an unreadable classes.txt is one DataError, not a traceback."""
+    import zipfile
+    train(tiny_cfg(data, tmp_path, max_steps=1))
+    good = tmp_path / 'run' / 'last.pth'
+    from vitblocks.experiments import checkpoint
+    with monkeypatch.context() as m:  # what torch.load raises for a file this user may not read (root reads any)
+        m.setattr(checkpoint.torch, 'load', lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, 'Permission '
+                                                                                                    'denied')))
+        with pytest.raises(CheckpointError, match=r'cannot read it \(Permission denied\); check its permissions'):
+            load_checkpoint(good)
+    bad = tmp_path / 'bad.pth'
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(bad, 'w', zipfile.ZIP_STORED) as zout:
+        for item in zin.infolist():
+            body = zin.read(item.filename)
+            if item.filename.endswith('data.pkl'):
+                body = body[:2] + b'\xfa' + body[3:]  # 0xfa is no pickle opcode
+            zout.writestr(item, body)
+    with pytest.raises(CheckpointError, match=r'corrupt: its pickled data does not read \(Unsupported operand 250\)'):
+        load_checkpoint(bad)
+    from vitblocks.data import ShardDataset
+    from _train_helpers import write_shards
+    write_shards(tmp_path / 'd', 'test', n=8, per_shard=8, num_classes=2, manifest=False)
+    (tmp_path / 'd' / 'classes.txt').write_bytes(b'\xff\xfecat\n')
+    with pytest.raises(DataError, match=r'classes.txt: not UTF-8 text'):
+        ShardDataset(str(tmp_path / 'd'), 'test')

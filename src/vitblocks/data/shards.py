@@ -133,12 +133,20 @@ def read_manifest(folder: Path) -> Tuple[Optional[List[str]], Dict]:
             manifest = json.loads(mpath.read_text(encoding='utf-8'))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f'{mpath}: not valid JSON ({e})') from None
+        except OSError as e:
+            raise DataError(f'{mpath}: cannot read it ({e.strerror or e}); check its permissions') from None
         classes = manifest.get('classes')
         if classes is not None and manifest.get('num_classes') not in (None, len(classes)):
             raise DataError(f'{mpath}: num_classes={manifest["num_classes"]} but {len(classes)} class names')
     cpath = folder / 'classes.txt'
     if classes is None and cpath.is_file():
-        classes = [line.strip() for line in cpath.read_text(encoding='utf-8').splitlines() if line.strip()]
+        try:
+            text = cpath.read_text(encoding='utf-8')
+        except UnicodeDecodeError as e:
+            raise DataError(f'{cpath}: not UTF-8 text ({e.reason} at byte {e.start}); one class name a line') from None
+        except OSError as e:
+            raise DataError(f'{cpath}: cannot read it ({e.strerror or e}); check its permissions') from None
+        classes = [line.strip() for line in text.splitlines() if line.strip()]
     return classes, manifest
 
 

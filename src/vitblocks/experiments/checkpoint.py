@@ -188,9 +188,14 @@ def read_checkpoint(path: Path) -> Any:
         raise CheckpointError(f'{path}: empty file (a checkpoint cut off while being written?)')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except PermissionError as e:  # not corrupt: unreadable for this user
+        raise CheckpointError(f'{path}: cannot read it ({e.strerror or e}); check its permissions') from None
     except Exception as e:  # zip reader errors, EOF, unpickling refused by weights_only, ...
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if 'weights_only' in str(e) or 'Unsupported global' in str(e):
+        if 'Unsupported operand' in str(e):  # the weights-only unpickler met bytes that are no pickle opcode
+            raise CheckpointError(f'{path}: corrupt: its pickled data does not read ({_unpickler_detail(e)}); use '
+                                  f'another checkpoint (best.pth, a backup) or re-copy the file') from None
+        if 'Unsupported global' in str(e) or 'weights_only' in str(e):
             raise CheckpointError(f'{path}: refused to load: it holds Python objects that would run code when '
                                   f'unpickled ({msg[:200]}); vitblocks only loads tensors '
                                   f'(weights_only=True)') from None
@@ -198,6 +203,13 @@ def read_checkpoint(path: Path) -> Any:
                               f'({type(e).__name__}: {msg[:200]})') from None
     verify_digest(ckpt, path)
     return ckpt
+
+
+def _unpickler_detail(e: Exception) -> str:
+    """The weights-only unpickler's own line ('Unsupported operand 250'), without torch's advice around it."""
+    text = str(e)
+    i = text.find('Unsupported operand')
+    return text[i:].splitlines()[0].strip() if i >= 0 else type(e).__name__
 
 
 def load_checkpoint(path: Union[str, Path]) -> Dict[str, Any]:
