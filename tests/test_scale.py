@@ -120,11 +120,23 @@ def test_resume_with_another_global_batch_is_refused_with_the_way_to_keep_it(dat
     and the checkpoint are as they were (before, the steps were renumbered: two different rows of one step)."""
     run, cfg = tmp_path / 'run', dict(batch_size=4, eval_interval=1)
     train(_cfg(data, tmp_path, max_steps=4, **cfg))
-    rows_before = (run / 'metrics.csv').read_text()
+    rows_before, config_before = (run / 'metrics.csv').read_text(), (run / 'config.yaml').read_text()
     with pytest.raises(ConfigError, match=r'global batch of 4 \(1 process\(es\) x batch_size 4 x grad_accum 1\); '
                                           r'this resume has 8 \(1 x 4 x 2\).* resume with grad_accum=1 to keep it'):
         train(_cfg(data, tmp_path, max_steps=6, grad_accum=2, **cfg), resume=run)
     assert (run / 'metrics.csv').read_text() == rows_before and load_checkpoint(run / 'last.pth')['global_step'] == 4
+    assert (run / 'config.yaml').read_text() == config_before
+
+
+def test_resume_with_a_budget_that_ended_before_the_checkpoint_is_refused(data, tmp_path):
+    """epochs=1 (16 steps) for a run at step 30, in epoch 2, cannot be trained back: one error, its config.yaml as it
+    was (it was silently rewritten to epochs=1)."""
+    run = tmp_path / 'run'
+    train(_cfg(data, tmp_path, epochs=2, max_steps=30, batch_size=4))
+    config_before = (run / 'config.yaml').read_text()
+    with pytest.raises(ConfigError, match=r'is at step 30, past the 16 steps of epochs=1; a resume cannot go back'):
+        train(_cfg(data, tmp_path, epochs=1, batch_size=4), resume=run)
+    assert (run / 'config.yaml').read_text() == config_before
 
 
 def test_resume_with_more_epochs_follows_the_longer_schedule(data, tmp_path):

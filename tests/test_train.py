@@ -1089,6 +1089,8 @@ def test_eval_renumbers_a_dataset_whose_classes_are_in_another_order(data, tmp_p
     (['--name', '..'], "name='..' must be one folder name"),
     (['std=[0, 0.2, 0.2]'], "std=[0.0, 0.2, 0.2]: every channel's std must be > 0"),
     (['opt=sgd', 'momentum=0'], 'opt=sgd is timm\'s SGD with Nesterov momentum, which needs momentum > 0'),
+    (['lr=0.1', 'lr=0.2'], 'lr given more than once (lr=0.1, lr=0.2); give each key once'),
+    (['model_kwargs={embed_dim: -1}'], 'cannot build vit_tiny_patch16_224 with'),
 ])
 def test_config_values_found_wrong_before_training_are_one_line_errors(data, tmp_path, capsys, argv, message):
     code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--output',

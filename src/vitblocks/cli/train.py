@@ -83,6 +83,11 @@ def _flag_shown(key: str, value) -> str:
 
 def build_config(args):
     """(config, resume checkpoint or None) from the command line."""
+    keys = [item.partition('=')[0].strip() for item in args.overrides or ()]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:  # the last would win silently
+        given_twice = ', '.join(item for item in args.overrides if item.partition('=')[0].strip() in twice)
+        raise CliError(f'{", ".join(twice)} given more than once ({given_twice}); give each key once')
     given, flags = parse_overrides(args.overrides), _flag_overrides(args)
     refuse_disagreeing_flags(flags, given, _flag_shown)
     overrides = {**given, **flags}

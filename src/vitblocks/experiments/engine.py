@@ -119,6 +119,7 @@ class Trainer:
         ckpt = load_on_every_rank(resume, cfg)
         if ckpt is not None:
             check_resume_config(cfg, ckpt.get('config', {}), resume)
+            self._check_global_batch(ckpt, resume)  # before the run folder's config or metrics are touched
         if model is None:
             model_name(cfg)  # an unknown name fails now, not after the training split is decoded for its classes
         self.model = model if model is not None else create_model(cfg, cfg.num_classes or self._peek_classes())
@@ -140,6 +141,11 @@ class Trainer:
                               f'epoch; lower grad_accum or batch_size')
         total = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        if ckpt is not None and ckpt.get('global_step', 0) > self.total_steps:  # before config.yaml is rewritten
+            raise ConfigError(f'{resume} is at step {ckpt["global_step"]}, past the {self.total_steps} steps of '
+                              f'epochs={cfg.epochs}' + (f', max_steps={cfg.max_steps}' if cfg.max_steps else '') +
+                              '; a resume cannot go back: give a larger budget, or evaluate the run as it is '
+                              '(vitblocks eval)')
 
         self.model.to(self.device)
         if cfg.sync_bn and self.dist.enabled:
@@ -243,8 +249,9 @@ class Trainer:
         the steps, train some samples twice or not at all, and keep a learning rate scaled for the old batch.
         Another number of processes with the same global batch (grad_accum or batch_size adjusted) resumes step
         for step: step b of an epoch covers positions [b*B, (b+1)*B) of its permutation whatever the world size."""
-        saved = ckpt.get('global_batch', self.global_batch)
-        if saved == self.global_batch:
+        new = self.cfg.batch_size * self.dist.world_size * self.cfg.grad_accum
+        saved = ckpt.get('global_batch', new)
+        if saved == new:
             return
         old = ckpt.get('config', {})
         world, saved_world = self.dist.world_size, len(ckpt.get('rng') or [None])
@@ -252,12 +259,11 @@ class Trainer:
         keep = f'grad_accum={saved // per_rank}' if saved % per_rank == 0 else f'{saved_world} process(es)'
         raise ConfigError(f'{path} was trained with a global batch of {saved} ({saved_world} process(es) x batch_size '
                           f'{old.get("batch_size", "?")} x grad_accum {old.get("grad_accum", 1)}); this resume has '
-                          f'{self.global_batch} ({world} x {self.cfg.batch_size} x {self.cfg.grad_accum}), which would '
+                          f'{new} ({world} x {self.cfg.batch_size} x {self.cfg.grad_accum}), which would '
                           f'renumber its steps and samples; resume with {keep} to keep it, or start a new run from '
                           f'its weights (initial_checkpoint={path})')
 
     def _restore(self, ckpt: Dict[str, Any], path: Path) -> None:
-        self._check_global_batch(ckpt, path)  # before anything is loaded or any metrics row is dropped
         try:
             self.model.load_state_dict(ckpt['model'])
             self.optimizer.load_state_dict(ckpt['optimizer'])

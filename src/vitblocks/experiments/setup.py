@@ -73,9 +73,11 @@ def create_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
             kwargs[key] = getattr(cfg, key)
     try:
         return timm.create_model(name, **kwargs)
-    except TypeError as e:
-        raise ConfigError(f'cannot build {name} with {kwargs}: {e}; check model_kwargs / drop_rate / '
-                          f'drop_path_rate') from None
+    except (TypeError, ValueError, AssertionError, RuntimeError, ZeroDivisionError) as e:
+        # an unknown keyword, or a value the model cannot be built with (embed_dim=-1: a negative dimension)
+        detail = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        raise ConfigError(f'cannot build {name} with {kwargs}: {type(e).__name__}: {detail}; check model_kwargs / '
+                          f'drop_rate / drop_path_rate') from None
 
 
 def enable_grad_checkpointing(model: nn.Module, name: str) -> int:
