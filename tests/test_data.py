@@ -352,3 +352,22 @@ def test_a_class_list_in_another_order_renumbers_the_labels_by_name(tmp_path):
     assert [checkpoint[indexed[i][1]] for i in range(len(indexed))] == names
     with pytest.raises(DataError, match=r"classes \['ship'\] are not among the 3 classes given"):
         ShardDataset(str(tmp_path / 'd'), 'test', classes=['dog', 'frog', 'cat'], in_memory=True)
+
+
+@pytest.mark.parametrize('gz', [False, True])
+def test_a_shard_cut_at_a_member_boundary_is_truncated_not_shorter(tmp_path, gz):
+    """Without a MANIFEST nothing counts the samples: a tar cut exactly after a member read as a shard of fewer
+    images (100 of 400 trained, no warning). The end-of-archive blocks it lacks tell it was cut."""
+    import gzip
+    write_shards(tmp_path / 'whole', 'train', n=12, per_shard=12, num_classes=2, gz=False, manifest=False)
+    shard = next((tmp_path / 'whole').glob('*.tar'))
+    assert len(ShardDataset(str(tmp_path / 'whole'), 'train', in_memory=True)) == 12  # a whole shard reads
+    with tarfile.open(shard) as tf:
+        members = tf.getmembers()
+    cut_at = members[8].offset  # the header of the 9th member: 4 samples (8 members) before it
+    (tmp_path / 'cut').mkdir()
+    data = shard.read_bytes()[:cut_at]
+    name = shard.name + ('.gz' if gz else '')
+    (tmp_path / 'cut' / name).write_bytes(gzip.compress(data) if gz else data)
+    with pytest.raises(DataError, match=r"truncated shard: it ends after member '.*' without the end-of-archive"):
+        ShardDataset(str(tmp_path / 'cut'), 'train', in_memory=True)

@@ -185,6 +185,18 @@ def _parse_cls(data: bytes, shard: Path, name: str) -> int:
     return int(text)
 
 
+def _check_end_of_archive(tf: tarfile.TarFile, shard: Path, last: Optional[str]) -> None:
+    """A tar archive ends with two zero blocks. Cut exactly at a member boundary it reads without an error in
+    tarfile, as a shorter shard; the missing end marker is what tells."""
+    blocks = 2 * tarfile.BLOCKSIZE
+    tf.fileobj.seek(tf.offset)
+    end = tf.fileobj.read(blocks)
+    if len(end) < blocks or end.count(0) != len(end):
+        after = f'after member {last!r}' if last else 'at its start'
+        raise DataError(f'{shard}: truncated shard: it ends {after} without the end-of-archive blocks a tar file '
+                        f'ends with (cut short at a member boundary?); copy it again')
+
+
 def _iter_samples(shard: Path, decode: bool):
     """Yield (key, image array or (offset, size, member name), label) in member order."""
     pending: Dict[str, Dict] = {}
@@ -216,6 +228,7 @@ def _iter_samples(shard: Path, decode: bool):
                 if 'cls' in entry and 'img' in entry:
                     pending.pop(key)
                     yield key, entry['img'], entry['cls']
+            _check_end_of_archive(tf, shard, last)
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         where = f' after member {last!r}' if last else ' at its start'
         raise DataError(f'{shard}: corrupt or truncated shard: {type(e).__name__}: {e} ({where.strip()})') from None
