@@ -291,8 +291,10 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
     cfg = tiny_cfg(data, tmp_path, checkpoint_interval=2, mixup=0, cutmix=0)
     with pytest.raises(TrainingDiverged, match=r'loss is nan at step 5.*last good checkpoint is .*last\.pth') as err:
         train(cfg, model=NaNAfter(bad=5))
-    # warm-up and clipping are on, amp is off on a CPU: the hint names only the learning rate
-    assert str(err.value).endswith('Try: a lower learning rate (now 0.003)')
+    # warm-up and clipping are on, amp is off on a CPU: the hint names only the learning rate, and how this run
+    # continues with one (the advice a resume could not take before --change)
+    assert (f'Try: a lower learning rate (now 0.003) (to continue this run with one: vitblocks train --resume '
+            f'{tmp_path / "run"} --change KEY=VALUE, e.g. --change lr=0.0015)') == str(err.value).split('. ', 1)[1]
     ckpt = load_checkpoint(tmp_path / 'run' / 'last.pth')
     assert ckpt['global_step'] == 4
     assert all(torch.isfinite(v).all() for v in ckpt['model'].values() if v.is_floating_point())
@@ -1217,3 +1219,35 @@ def test_unreadable_and_corrupt_files_are_named_for_what_they_are(data, tmp_path
     (tmp_path / 'd' / 'classes.txt').write_bytes(b'\xff\xfecat\n')
     with pytest.raises(DataError, match=r'classes.txt: not UTF-8 text'):
         ShardDataset(str(tmp_path / 'd'), 'test')
+
+
+def test_resume_with_changed_optimisation_settings_is_explicit_and_recorded(data, tmp_path, capsys):
+    """A run that needs another learning rate continues with --change (a plain lr=... on --resume is refused with
+    the --change that does it); the new lr is what the optimizer uses from the next step, clipping applies, the
+    config says so, and changes.jsonl records the step and both values."""
+    import json
+    kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=none',
+          'tensorboard=false', 'sched=none', 'log_interval=1']
+    code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
+                             'ninformer', '--max-steps', 3, '--batch-size', 8, '--output', tmp_path, '--name', 'r',
+                             '--threads', 1, '--lr', 0.01, *kw)
+    assert code == 0, err
+    code, out, err = run_cli(capsys, 'train', '--resume', tmp_path / 'r', 'lr=0.002', 'max_steps=6')
+    assert code == 2 and '--change lr=0.002' in err and len(err.strip().splitlines()) == 1, err
+    code, out, err = run_cli(capsys, 'train', '--resume', tmp_path / 'r', 'max_steps=6', '--change', 'lr=0.002',
+                             'clip_grad=1.0')
+    assert code == 0 and 'trained  6 steps' in out, err
+    ckpt = load_checkpoint(tmp_path / 'r' / 'last.pth')
+    assert {g['lr'] for g in ckpt['optimizer']['param_groups']} == {0.002}
+    assert ckpt['config']['lr'] == 0.002 and ckpt['config']['clip_grad'] == 1.0
+    with open(tmp_path / 'r' / 'metrics.csv') as f:
+        lrs = {int(r['step']): float(r['lr']) for r in csv.DictReader(f) if r['split'] == 'train'}
+    assert lrs[3] == pytest.approx(0.01) and lrs[4] == pytest.approx(0.002) and lrs[6] == pytest.approx(0.002)
+    (record,) = [json.loads(line) for line in (tmp_path / 'r' / 'changes.jsonl').read_text().splitlines()]
+    assert record['step'] == 3 and record['changes'] == {'clip_grad': [None, 1.0], 'lr': [0.01, 0.002]}
+    for argv, message in ((['--resume', tmp_path / 'r', '--change', 'batch_size=4'], '--change batch_size: a resume '
+                           'can be asked to change'),
+                          (['--model', 'vit_tiny_patch16_224', '--data', data, '--change', 'lr=0.1'],
+                           '--change changes the settings of a run being resumed')):
+        code, out, err = run_cli(capsys, 'train', *argv)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

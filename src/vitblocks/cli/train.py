@@ -6,7 +6,7 @@ from pathlib import Path
 from ..data import DataError, resolve_data_path
 from ..experiments import (CheckpointError, ConfigError, LostProcess, TrainingDiverged, TrainingInterrupted,
                            list_recipes, load_config, load_recipe, merge, parse_overrides, train)
-from ..experiments.config import RESUME_CHANGEABLE
+from ..experiments.config import RESUME_CHANGEABLE, RESUME_ON_REQUEST
 from ..experiments.distributed import launched_rank
 from ..experiments.engine import default_run_name, new_run_folder_problem
 from .common import CliError, check_writable_dir, positive_int, refuse_disagreeing_flags
@@ -55,6 +55,10 @@ def add_parser(subparsers) -> None:
     p.add_argument('--compile', action='store_true', default=None, help='torch.compile the model')
     p.add_argument('--no-amp', dest='amp', action='store_false', default=None, help='no autocast on CUDA')
     p.add_argument('--resume', metavar='RUN', help='continue the run in this folder (or from this last.pth)')
+    p.add_argument('--change', nargs='+', metavar='KEY=VALUE', default=[],
+                   help=f'with --resume: continue with other optimisation settings '
+                        f'({", ".join(sorted(RESUME_ON_REQUEST))}), e.g. after a divergence --change lr=5e-4 '
+                        f'clip_grad=1.0; recorded in the run\'s changes.jsonl')
     p.add_argument('--initial-checkpoint', metavar='PATH',
                    help='start from these weights (a run\'s .pth, timm .pth, .safetensors); a classifier of another '
                         'size is re-initialized')
@@ -82,7 +86,7 @@ def _flag_shown(key: str, value) -> str:
 
 
 def build_config(args):
-    """(config, resume checkpoint or None) from the command line."""
+    """(config, resume checkpoint or None, the keys --change asks to change) from the command line."""
     keys = [item.partition('=')[0].strip() for item in args.overrides or ()]
     twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:  # the last would win silently
@@ -110,11 +114,22 @@ def build_config(args):
         changed = sorted(k for k, v in overrides.items()
                          if k not in RESUME_CHANGEABLE | {'data'} and getattr(saved, k) != v)
         if changed:
+            on_request = [k for k in changed if k in RESUME_ON_REQUEST]
+            hint = (f'; to continue with another {", ".join(on_request)}, say so: --change '
+                    f'{" ".join(f"{k}={overrides[k]}" for k in on_request)}') if on_request else ''
             raise CliError(f'--resume keeps the run\'s config; cannot change {", ".join(changed)} (only '
-                           f'{", ".join(sorted(RESUME_CHANGEABLE))}); start a new run instead')
+                           f'{", ".join(sorted(RESUME_CHANGEABLE))}){hint}; or start a new run')
         if args.config:
             raise CliError('--resume takes the recipe from the run folder; drop --config')
-        return merge(saved.to_dict(), overrides), ckpt
+        changes = parse_overrides(args.change)
+        asked = sorted(set(changes) - RESUME_ON_REQUEST)
+        if asked:
+            raise CliError(f'--change {", ".join(asked)}: a resume can be asked to change '
+                           f'{", ".join(sorted(RESUME_ON_REQUEST))} only; start a new run for the rest')
+        return merge(saved.to_dict(), overrides, changes), ckpt, sorted(changes)
+    if args.change:
+        raise CliError('--change changes the settings of a run being resumed; give --resume RUN, or set them as '
+                       'KEY=VALUE for a new run')
     if not args.model or not args.data:
         raise CliError('--model and --data are required (or --resume RUN)')
     recipe = load_recipe(args.config) if args.config else {}
@@ -123,13 +138,13 @@ def build_config(args):
     problem = new_run_folder_problem(Path(cfg.output) / (cfg.name or default_run_name(cfg)))
     if problem:  # the same check the trainer makes, before the long work
         raise CliError(problem)
-    return cfg, None
+    return cfg, None, []
 
 
 def run(args) -> int:
     try:
-        cfg, resume = build_config(args)
-        result = train(cfg, resume=resume)
+        cfg, resume, changed = build_config(args)
+        result = train(cfg, resume=resume, changed=changed)
     except (ConfigError, DataError, CheckpointError) as e:
         raise CliError(str(e)) from None
     except (TrainingDiverged, LostProcess) as e:

@@ -9,14 +9,14 @@ import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import yaml
 
 from .schema import SchemaError, check_auto_augment, coerce, yaml_load
 
-__all__ = ['TrainConfig', 'ConfigError', 'RESUME_CHANGEABLE', 'load_recipe', 'list_recipes', 'recipe_path', 'merge',
-           'parse_overrides', 'save_config', 'load_config', 'check_resume_config']
+__all__ = ['TrainConfig', 'ConfigError', 'RESUME_CHANGEABLE', 'RESUME_ON_REQUEST', 'load_recipe', 'list_recipes',
+           'recipe_path', 'merge', 'parse_overrides', 'save_config', 'load_config', 'check_resume_config']
 
 RECIPE_DIR = Path(__file__).parent / 'recipes'
 
@@ -25,6 +25,10 @@ RESUME_CHANGEABLE = frozenset({'epochs', 'max_steps', 'workers', 'threads', 'pro
                                'checkpoint_interval', 'eval_interval', 'tensorboard', 'device',
                                'compile', 'compile_mode', 'resume', 'channels_last', 'grad_accum',
                                'grad_checkpointing', 'dist_timeout_min', 'checkpoint_hist'})
+# optimisation settings a resume changes only when asked to (vitblocks train --resume RUN --change KEY=VALUE): a
+# diverged or stalled run continues with another learning rate, warm-up, clipping or weight decay, and the run
+# records the change (changes.jsonl)
+RESUME_ON_REQUEST = frozenset({'lr', 'lr_base', 'warmup_epochs', 'warmup_lr', 'min_lr', 'clip_grad', 'weight_decay'})
 # keys that say where a run lives or reads from, not what it computes: a resumed run may differ in them
 # (``data``/``train_url`` only when the dataset is the same one, checked against the checkpoint's dataset manifest)
 RESUME_LOCATION = frozenset({'data', 'train_url', 'output', 'name', 'initial_checkpoint'})
@@ -364,10 +368,16 @@ def load_config(path: Union[str, Path]) -> TrainConfig:
     return merge(data)
 
 
-def check_resume_config(cfg: TrainConfig, saved: Mapping[str, Any], path: Union[str, Path]) -> None:
+def check_resume_config(cfg: TrainConfig, saved: Mapping[str, Any], path: Union[str, Path],
+                        changed: Sequence[str] = ()) -> None:
     """Refuse to resume when ``cfg`` (e.g. from an edited or truncated config.yaml) differs from the
-    config stored in the checkpoint ``path`` in a key that changes what is computed."""
-    free = RESUME_CHANGEABLE | RESUME_LOCATION
+    config stored in the checkpoint ``path`` in a key that changes what is computed (``changed``: keys of
+    :data:`RESUME_ON_REQUEST` the user asked to change)."""
+    unknown = sorted(set(changed) - RESUME_ON_REQUEST)
+    if unknown:
+        raise ConfigError(f'a resume can be asked to change {", ".join(sorted(RESUME_ON_REQUEST))}, not '
+                          f'{", ".join(unknown)}; start a new run from its weights (initial_checkpoint=...) instead')
+    free = RESUME_CHANGEABLE | RESUME_LOCATION | set(changed)
     changed = sorted(k for k, v in saved.items() if k in _FIELDS and k not in free and getattr(cfg, k) != v)
     if changed:
         diff = ', '.join(f'{k}: {saved[k]!r} -> {getattr(cfg, k)!r}' for k in changed[:4])

@@ -8,6 +8,7 @@ the state from before it). Batches and their augmentation are functions of (seed
 checkpoint retraces the uninterrupted run exactly on CPU (GPU kernels may add their own
 non-determinism).
 """
+import json
 import math
 import os
 import random
@@ -16,7 +17,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -83,6 +84,15 @@ def seed_everything(seed: int, deterministic: bool, device: torch.device) -> Non
         torch.backends.cudnn.benchmark = True
 
 
+def record_changes(run_dir: Path, step: int, old: Dict[str, Any], cfg: TrainConfig, keys: Sequence[str]) -> None:
+    """Append what a resume was asked to change to the run's ``changes.jsonl``: the step it takes effect at, and each
+    key's value before and after (the run's config.yaml holds the values in effect now)."""
+    line = {'step': step, 'time': time.strftime('%Y-%m-%dT%H:%M:%S'),
+            'changes': {k: [old.get(k), getattr(cfg, k)] for k in sorted(keys)}}
+    with open(Path(run_dir) / 'changes.jsonl', 'a') as f:
+        f.write(json.dumps(line) + '\n')
+
+
 def new_run_folder_problem(path: Path) -> Optional[str]:
     """Why a new run cannot go to ``path`` (a file there, or a run already), or None. Checked by the command line
     before the data is decoded, and again by the trainer."""
@@ -101,8 +111,9 @@ class Trainer:
     """One run. ``Trainer(cfg, ...).fit()``; the pieces are attributes so benchmarks can time a step."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Optional[Path] = None, resume: Optional[Path] = None,
-                 model: Optional[nn.Module] = None):
+                 model: Optional[nn.Module] = None, changed: Sequence[str] = ()):
         self.cfg = cfg
+        self.changed = tuple(changed)  # RESUME_ON_REQUEST keys this resume was asked to change
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
@@ -118,7 +129,7 @@ class Trainer:
                                             Path(cfg.output) / (cfg.name or default_run_name(cfg)))
         ckpt = load_on_every_rank(resume, cfg)
         if ckpt is not None:
-            check_resume_config(cfg, ckpt.get('config', {}), resume)
+            check_resume_config(cfg, ckpt.get('config', {}), resume, self.changed)
             self._check_global_batch(ckpt, resume)  # before the run folder's config or metrics are touched
         if model is None:
             model_name(cfg)  # an unknown name fails now, not after the training split is decoded for its classes
@@ -206,6 +217,8 @@ class Trainer:
         self.log = MetricsLog(self.run_dir, cfg.tensorboard, fresh=ckpt is None) if self.dist.is_main else None
         if ckpt is not None:
             self._restore(ckpt, resume)
+            if self.changed and self.dist.is_main:
+                record_changes(self.run_dir, self.global_step, ckpt.get('config', {}), cfg, self.changed)
         self.progress = Progress(cfg.progress, self.dist.is_main, self.total_steps, self.global_batch)
         if self.log is not None and self.log.tb_note:
             self.progress.message(self.log.tb_note)
@@ -244,6 +257,19 @@ class Trainer:
         barrier()
         return path
 
+    def _apply_changes(self, fresh) -> None:
+        """Put the asked-for learning rate / weight decay into the restored optimizer (per parameter group, with
+        its layer-decay scale as built). Warm-up and the lr floor shape the schedule, which is built from this
+        run's config anyway; clipping is read every step."""
+        lr, wd = {'lr', 'lr_base'} & set(self.changed), 'weight_decay' in self.changed
+        for group, (lr_value, initial, wd_value) in zip(self.optimizer.param_groups, fresh):
+            if lr:
+                group['lr'] = lr_value
+                if initial is not None:
+                    group['initial_lr'] = initial
+            if wd and wd_value is not None:
+                group['weight_decay'] = wd_value
+
     def _check_global_batch(self, ckpt: Dict[str, Any], path: Path) -> None:
         """A resume must keep the global batch (batch_size x processes x grad_accum): another one would renumber
         the steps, train some samples twice or not at all, and keep a learning rate scaled for the old batch.
@@ -264,9 +290,12 @@ class Trainer:
                           f'its weights (initial_checkpoint={path})')
 
     def _restore(self, ckpt: Dict[str, Any], path: Path) -> None:
+        # the optimizer's settings this run was built with: an explicit change (--change) keeps them over the saved
+        fresh = [(g['lr'], g.get('initial_lr'), g.get('weight_decay')) for g in self.optimizer.param_groups]
         try:
             self.model.load_state_dict(ckpt['model'])
             self.optimizer.load_state_dict(ckpt['optimizer'])
+            self._apply_changes(fresh)
             if self.ema is not None:
                 self.ema.module.load_state_dict(ckpt['model_ema'])
             if self.scaler is not None and ckpt.get('scaler') is not None:
@@ -337,8 +366,10 @@ class Trainer:
     def _diverged(self, loss_value: float, where: str) -> TrainingDiverged:
         last = self.run_dir / 'last.pth'
         keep = f'the last good checkpoint is {last}' if last.exists() else 'no checkpoint was saved yet'
+        again = (f' (to continue this run with one: vitblocks train --resume {self.run_dir} --change KEY=VALUE, '
+                 f'e.g. --change lr={self.lr / 2:g})') if last.exists() else ''
         return TrainingDiverged(f'loss is {loss_value} at {where}; stopped; {keep}. Try: '
-                                + '; '.join(self._divergence_remedies()))
+                                + '; '.join(self._divergence_remedies()) + again)
 
     def _divergence_remedies(self) -> list:
         """What may keep a run from diverging, naming only what is not in effect already."""
@@ -669,10 +700,11 @@ def _num_outputs(model: nn.Module, cfg: TrainConfig) -> int:
 
 
 def train(cfg: TrainConfig, run_dir: Optional[Path] = None, resume: Optional[Path] = None,
-          model: Optional[nn.Module] = None) -> RunResult:
-    """Train ``cfg`` (optionally on a given ``model`` instance); see ``Trainer``."""
+          model: Optional[nn.Module] = None, changed: Sequence[str] = ()) -> RunResult:
+    """Train ``cfg`` (optionally on a given ``model`` instance); see ``Trainer``. ``changed``: the optimisation
+    settings (``RESUME_ON_REQUEST``) a resume was asked to take from ``cfg`` instead of the checkpoint's."""
     if resume is not None:
         resume = Path(resume)
         if resume.is_dir():
             resume = resume / 'last.pth'
-    return Trainer(cfg, run_dir=run_dir, resume=resume, model=model).fit()
+    return Trainer(cfg, run_dir=run_dir, resume=resume, model=model, changed=changed).fit()
