@@ -2,7 +2,6 @@
 `vitblocks bench --weights` against a baseline, and damaged metadata."""
 import importlib.util
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,8 +33,8 @@ def test_a_failed_export_keeps_the_previous_file_and_leaves_no_partial_one(tmp_p
     path = export_pt2(model, tmp_path / 'm.pt2')
     good = path.read_bytes()
 
-    def save_half_then_fail(program, f):
-        Path(f).write_bytes(good[:100])
+    def save_half_then_fail(program, f):  # f: the in-memory buffer export_pt2 serializes into
+        f.write(good[:100])
         raise OSError(28, 'No space left on device')
 
     monkeypatch.setattr(torch.export, 'save', save_half_then_fail)
