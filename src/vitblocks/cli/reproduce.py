@@ -29,7 +29,7 @@ examples:
   vitblocks reproduce ninformer-table1 --datasets mnist,cifar10 --epochs 1 --device cuda
   vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --set compile=true compile_mode=reduce-overhead
   vitblocks reproduce cifar10-blocks --device cuda --jobs 27 --set compile=true compile_mode=reduce-overhead
-  vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --time-limit 600   # a 15-minute GPU lease
+  vitblocks reproduce ninformer-table1 --device cuda --jobs 8 --time-limit 600   # a GPU job with a 15-minute limit
   vitblocks reproduce ninformer-table1 --output runs/gpu-t1 --no-train --set matmul_precision=high   # as they are
   vitblocks reproduce ninformer-table1 --jobs 8 --time-limit 1500 --ablation torchinit cifar10/NiNformer \
       'model_kwargs={block_cfg: {init: torch}}' --ablation seed1 cifar10/ViT seed=1   # beside, paused first
@@ -91,7 +91,7 @@ def add_parser(subparsers) -> None:
     p.add_argument('--no-train', action='store_true',
                    help='ninformer-table1: train nothing; print the table from the runs under --output as they '
                         'are (an unfinished run: its last test evaluation, marked; a missing one: empty), e.g. '
-                        'runs copied back from a GPU lease')
+                        'runs copied back from a GPU job')
     p.add_argument('--epochs', type=positive_int, help='epochs per run (default: the recipe\'s)')
     p.add_argument('--max-steps', type=positive_int, help='stop each run after this many steps (a budget)')
     p.add_argument('--train-subset', type=positive_int, metavar='N', help='train on a fixed random N images')
@@ -110,7 +110,7 @@ def add_parser(subparsers) -> None:
                         'furthest from its end is paused (NiNformer\'s own Table 1 rows last), so the others '
                         'finish sooner on the device they share; it keeps its checkpoint and resumes if a '
                         'finished run frees time, or when the command is re-run. For machines whose disk does '
-                        'not outlive them (a GPU lease, a preemptible node)')
+                        'not outlive them (a GPU job with a time limit, a preemptible node)')
     p.add_argument('--ablation', nargs='+', action='append', metavar='NAME ROWS KEY=VALUE',
                    help='ninformer-table1, repeatable: also train ROWS (comma-separated DATASET/ROW, e.g. '
                         'cifar10/NiNformer) with these config overrides on top of --set, into <output>-NAME; under '

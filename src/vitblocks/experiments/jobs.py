@@ -12,7 +12,7 @@ the limit, the runs still going are paused.
 
 Why: N runs sharing one GPU each get about 1/N of it, so a set of runs that needs more time than the
 machine has would otherwise end with every run 90% done; where the checkpoints cannot outlive the
-machine (a GPU lease, a preemptible node) that is nothing. Pausing the longest runs first
+machine (a GPU job with a time limit, a preemptible node) that is nothing. Pausing the longest runs first
 finishes as many runs as the time allows.
 """
 import contextlib
