@@ -38,6 +38,7 @@ def _check_files(out: Path, models):
     assert {r['model'] for r in ffn} == set(models)
     assert all(set(r['ms']) == {'training form (reference ops)', 'torch.compile (deployed)',
                                 'fused kernels (deployed)', 'vanilla Mlp'} for r in ffn)
+    assert all((r['ms']['torch.compile (deployed)'] is None) == (r['setting'] == 'bf16') for r in ffn)
     summary = (out / 'summary.md').read_text()
     assert all(f'| {name} |' in summary for name in models)
     assert '>= 0.88x | 0.88 (AFBO Table 2)' in summary  # the target and the paper's ratio beside ours
