@@ -32,6 +32,23 @@ def activate(x, ACT: tl.constexpr):
     return y
 
 
+@triton.jit
+def depthwise_conv_tile(img_ptr, w_ptr, b_ptr, h, x, c, cmask, H, W, stride_t, K: tl.constexpr,
+                        W_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
+    """``DWConv_k + b`` (zero padding) at pixels ``(h, x)`` (a row segment, ``x``: (W, 1)) and channels ``c`` ((1, C))
+    of one image whose pixels are ``stride_t`` apart with contiguous channels; weight ``(C, 1, k, k)``. fp32."""
+    acc = tl.zeros((W_BLOCK, C_BLOCK), tl.float32)
+    for dy in tl.static_range(K):
+        row = h + dy - K // 2
+        for dx in tl.static_range(K):
+            col = x + dx - K // 2
+            m = (row >= 0) & (row < H) & (col >= 0) & (col < W) & cmask  # zero padding
+            v = tl.load(img_ptr + (row * W + col) * stride_t + c, mask=m, other=0.).to(tl.float32)
+            w = tl.load(w_ptr + c * (K * K) + dy * K + dx, mask=cmask, other=0.).to(tl.float32)
+            acc += v * w
+    return acc + tl.load(b_ptr + c, mask=cmask, other=0.).to(tl.float32)
+
+
 def act_id(name: str) -> int:
     if name not in ACT_IDS:
         raise ValueError(f'no fused kernel for activation {name!r}; kernels exist for {", ".join(ACT_IDS)}')

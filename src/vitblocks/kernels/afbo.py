@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import act_id, activate, dot_dtype, dot_precision, next_pow2, upcast_operands
+from ._common import act_id, activate, depthwise_conv_tile, dot_dtype, dot_precision, next_pow2, upcast_operands
 
 __all__ = ['window_spec', 'window_maps', 'dwconv_pair_product']
 
@@ -156,21 +156,8 @@ def _dwconv_pair_product_kernel(l_ptr, r_ptr, wl_ptr, bl_ptr, wr_ptr, br_ptr, ou
     l_img, r_img = l_ptr + b.to(tl.int64) * stride_b, r_ptr + b.to(tl.int64) * stride_b
     m = (x < W) & cmask
     if HAS_CONV:
-        acc_l = tl.zeros((W_BLOCK, C_BLOCK), tl.float32)
-        acc_r = tl.zeros((W_BLOCK, C_BLOCK), tl.float32)
-        for dy in tl.static_range(K):
-            row = h + dy - K // 2
-            for dx in tl.static_range(K):
-                col = x + dx - K // 2
-                mk = (row >= 0) & (row < H) & (col >= 0) & (col < W) & cmask  # zero padding
-                offs = (row * W + col) * stride_t + c
-                tap = c * (K * K) + dy * K + dx
-                acc_l += tl.load(l_img + offs, mask=mk, other=0.).to(tl.float32) * \
-                    tl.load(wl_ptr + tap, mask=cmask, other=0.).to(tl.float32)
-                acc_r += tl.load(r_img + offs, mask=mk, other=0.).to(tl.float32) * \
-                    tl.load(wr_ptr + tap, mask=cmask, other=0.).to(tl.float32)
-        left = acc_l + tl.load(bl_ptr + c, mask=cmask, other=0.).to(tl.float32)
-        right = acc_r + tl.load(br_ptr + c, mask=cmask, other=0.).to(tl.float32)
+        left = depthwise_conv_tile(l_img, wl_ptr, bl_ptr, h, x, c, cmask, H, W, stride_t, K, W_BLOCK, C_BLOCK)  # (W, C)
+        right = depthwise_conv_tile(r_img, wr_ptr, br_ptr, h, x, c, cmask, H, W, stride_t, K, W_BLOCK, C_BLOCK)
     else:  # AFBO-C (no spatial op), and prefix tokens
         offs = (h * W + x) * stride_t + c
         left = tl.load(l_img + offs, mask=m, other=0.).to(tl.float32)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import act_id, activate, next_pow2
+from ._common import act_id, activate, depthwise_conv_tile, next_pow2
 
 __all__ = ['agelu_concat_layernorm', 'dwconv_act_residual']
 
@@ -85,16 +85,7 @@ def _dwconv_act_residual_kernel(y_ptr, w_ptr, b_ptr, out_ptr, H, W, C, stride_yb
     c = tl.program_id(2) * C_BLOCK + tl.arange(0, C_BLOCK)[None, :]  # (1, C) channel
     cmask = c < C
     y_img = y_ptr + b.to(tl.int64) * stride_yb
-    acc = tl.zeros((W_BLOCK, C_BLOCK), tl.float32)
-    for dy in tl.static_range(K):
-        row = h + dy - K // 2
-        for dx in tl.static_range(K):
-            col = x + dx - K // 2
-            m = (row >= 0) & (row < H) & (col >= 0) & (col < W) & cmask  # zero padding
-            v = tl.load(y_img + (row * W + col) * stride_yt + c, mask=m, other=0.).to(tl.float32)
-            w = tl.load(w_ptr + c * (K * K) + dy * K + dx, mask=cmask, other=0.).to(tl.float32)
-            acc += v * w
-    acc += tl.load(b_ptr + c, mask=cmask, other=0.).to(tl.float32)
+    acc = depthwise_conv_tile(y_img, w_ptr, b_ptr, h, x, c, cmask, H, W, stride_yt, K, W_BLOCK, C_BLOCK)  # (W, C)
     m = (x < W) & cmask
     centre = tl.load(y_img + (h * W + x) * stride_yt + c, mask=m, other=0.).to(tl.float32)
     out = centre + activate(acc, ACT)
