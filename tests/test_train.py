@@ -591,6 +591,19 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
+TINY_CLI = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=none',
+            'tensorboard=false']
+
+
+def train_tiny_run(capsys, data, out, max_steps, *extra):
+    """``vitblocks train`` of a tiny ViT (the ninformer recipe, batch 8, one thread) into ``out/r``; asserts it ran."""
+    code, stdout, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
+                                'ninformer', '--max-steps', max_steps, '--batch-size', 8, '--output', out, '--name',
+                                'r', '--threads', 1, *TINY_CLI, *extra)
+    assert code == 0, err
+    return stdout
+
+
 def test_cli_train_eval_and_resume(data, tmp_path, capsys):
     kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=none',
           'tensorboard=false']
@@ -1066,12 +1079,7 @@ def test_eval_renumbers_a_dataset_whose_classes_are_in_another_order(data, tmp_p
     evaluation matches images to the checkpoint's classes by name, so top-1 and the per-class counts are those
     of the split in the checkpoint's own order (before, the labels kept their indices under the new names)."""
     import json
-    kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=none',
-          'tensorboard=false']
-    code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
-                             'ninformer', '--max-steps', 6, '--batch-size', 8, '--output', tmp_path, '--name', 'r',
-                             '--threads', 1, *kw)
-    assert code == 0, err
+    train_tiny_run(capsys, data, tmp_path, 6)
     _reordered_copy(data, tmp_path / 'reordered', order=[2, 0, 3, 1])
     results = []
     for folder in (data, tmp_path / 'reordered'):
@@ -1142,12 +1150,7 @@ def test_a_disk_that_fills_during_a_checkpoint_is_one_line_and_keeps_the_previou
     """A checkpoint write that stops part-way (the disk fills: torch's zip writer says 'unexpected pos ...', which
     was a 43-line traceback): one line, exit 2, the previous last.pth intact and loadable, no temporary left."""
     import errno
-    kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=none',
-          'tensorboard=false']
-    code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
-                             'ninformer', '--max-steps', 2, '--batch-size', 8, '--output', tmp_path, '--name', 'r',
-                             '--threads', 1, *kw)
-    assert code == 0, err
+    train_tiny_run(capsys, data, tmp_path, 2)
     from vitblocks.experiments import checkpoint
     real_fdopen = checkpoint.os.fdopen
 
@@ -1226,12 +1229,7 @@ def test_resume_with_changed_optimisation_settings_is_explicit_and_recorded(data
     the --change that does it); the new lr is what the optimizer uses from the next step, clipping applies, the
     config says so, and changes.jsonl records the step and both values."""
     import json
-    kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=none',
-          'tensorboard=false', 'sched=none', 'log_interval=1']
-    code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
-                             'ninformer', '--max-steps', 3, '--batch-size', 8, '--output', tmp_path, '--name', 'r',
-                             '--threads', 1, '--lr', 0.01, *kw)
-    assert code == 0, err
+    train_tiny_run(capsys, data, tmp_path, 3, '--lr', 0.01, 'sched=none', 'log_interval=1')
     code, out, err = run_cli(capsys, 'train', '--resume', tmp_path / 'r', 'lr=0.002', 'max_steps=6')
     assert code == 2 and '--change lr=0.002' in err and len(err.strip().splitlines()) == 1, err
     code, out, err = run_cli(capsys, 'train', '--resume', tmp_path / 'r', 'max_steps=6', '--change', 'lr=0.002',
