@@ -17,6 +17,7 @@ their reference ops. On a machine without a GPU every kernel runs through Triton
 ``TRITON_INTERPRET=1`` is set before this package is first imported (the tests do this): slowly, in
 fp32 arithmetic, but the same program.
 """
+import functools
 import importlib.util
 import os
 
@@ -25,8 +26,9 @@ import torch
 __all__ = ['triton_available', 'interpreting', 'kernels_usable']
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
-    """Whether Triton can be imported (it ships with torch's CUDA wheels)."""
+    """Whether Triton can be imported (it ships with torch's CUDA wheels); looked up once, not on every forward."""
     return importlib.util.find_spec('triton') is not None
 
 
