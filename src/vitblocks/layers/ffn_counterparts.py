@@ -21,7 +21,7 @@ from torch import nn
 from .activations import ACTIVATIONS, activation_name
 from .afbo import AFBO
 from .batchnorm import TokenBatchNorm
-from .layout import TokenLayout, apply_spatial
+from .layout import TokenLayout, merge_tokens
 from .registry import register_ffn
 
 __all__ = ['glu', 'swiglu', 'group_ffn', 'ConvGLU', 'ConvNeXtFFN', 'LocalViTFFN']
@@ -98,16 +98,25 @@ def _check_kernel_size(kernel_size: int) -> None:
 def _to_channels_last(x: torch.Tensor, layout: TokenLayout, owner: str) -> torch.Tensor:
     if layout.channels_first:
         if x.ndim != 4:
-            raise ValueError(f'{owner} (channels_first) expects (B, C, H, W), got shape {tuple(x.shape)}')
+            raise ValueError(f'{owner} (channels_first) expects (B, C, H, W), got shape {list(x.shape)}')
         return x.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C)
     return x
 
 
-def _spatial_channels_last(op: nn.Module, h: torch.Tensor, layout: TokenLayout, owner: str) -> torch.Tensor:
-    """Map-to-map op on channels-last tokens ``(B, N, C)`` or maps ``(B, H, W, C)``; prefix tokens bypass it."""
+def _map_of(h: torch.Tensor, layout: TokenLayout, owner: str) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Channels-last tokens ``(B, N, C)`` or maps ``(B, H, W, C)`` as a ``(B, C, H, W)`` map view, plus the prefix
+    tokens that bypass a spatial op; :func:`_back_from_map` undoes it. Free functions around the layer's own call of
+    its op, so the layer scripts (TorchScript passes no module to a function)."""
     if h.ndim == 4:
-        return op(h.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H, W, C) -> (B, C, H, W) -> back
-    return apply_spatial(op, h, layout, owner)
+        return h.permute(0, 3, 1, 2), None  # (B, H, W, C) -> (B, C, H, W)
+    prefix, fmap = layout.split_tokens(h, owner)  # (B, P + H*W, C) -> (B, P, C), (B, C, H, W)
+    return fmap, prefix
+
+
+def _back_from_map(fmap: torch.Tensor, prefix: Optional[torch.Tensor], ndim: int) -> torch.Tensor:
+    if ndim == 4:
+        return fmap.permute(0, 2, 3, 1)  # (B, C, H, W) -> (B, H, W, C)
+    return merge_tokens(prefix, fmap)  # (B, C, H, W) (+ prefix) -> (B, P + H*W, C)
 
 
 @register_ffn('conv_glu', inherits=('drop',))
@@ -151,7 +160,8 @@ class ConvGLU(nn.Module):
         self.layout.set_grid(feat_size)  # timm's PVTv2 passes the grid (feat_size)
         h = self.fc1(_to_channels_last(x, self.layout, 'ConvGLU'))
         h, v = h.chunk(2, dim=-1)  # (..., 2h) -> 2 x (..., h)
-        h = self.act(_spatial_channels_last(self.dwconv, h, self.layout, 'ConvGLU')) * v
+        fmap, prefix = _map_of(h, self.layout, 'ConvGLU')
+        h = self.act(_back_from_map(self.dwconv(fmap), prefix, h.ndim)) * v
         y = self.drop2(self.fc2(self.norm(self.drop1(h))))
         return y.permute(0, 3, 1, 2) if self.layout.channels_first else y  # (B, H, W, C) -> (B, C, H, W)
 
@@ -196,8 +206,9 @@ class ConvNeXtFFN(nn.Module):
 
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         self.layout.set_grid(feat_size)  # timm's PVTv2 passes the grid (feat_size)
-        h = _spatial_channels_last(self.dwconv, _to_channels_last(x, self.layout, 'ConvNeXtFFN'), self.layout,
-                                   'ConvNeXtFFN')
+        h = _to_channels_last(x, self.layout, 'ConvNeXtFFN')
+        fmap, prefix = _map_of(h, self.layout, 'ConvNeXtFFN')
+        h = _back_from_map(self.dwconv(fmap), prefix, h.ndim)
         y = self.fc2(self.drop1(self.act(self.fc1(self.norm(h)))))
         y = self.drop2(y * self.gamma if self.gamma is not None else y)
         return y.permute(0, 3, 1, 2) if self.layout.channels_first else y  # (B, H, W, C) -> (B, C, H, W)
@@ -256,6 +267,7 @@ class LocalViTFFN(nn.Module):
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         self.layout.set_grid(feat_size)  # timm's PVTv2 passes the grid (feat_size)
         h = self.act1(self.bn1(self.fc1(_to_channels_last(x, self.layout, 'LocalViTFFN'))))
-        h = self.drop1(_spatial_channels_last(self.spatial, h, self.layout, 'LocalViTFFN'))
+        fmap, prefix = _map_of(h, self.layout, 'LocalViTFFN')
+        h = self.drop1(_back_from_map(self.spatial(fmap), prefix, h.ndim))
         y = self.drop2(self.bn2(self.fc2(self.norm(h))))
         return y.permute(0, 3, 1, 2) if self.layout.channels_first else y

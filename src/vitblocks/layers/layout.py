@@ -79,6 +79,7 @@ class TokenLayout(nn.Module):
                 'traced model runs at the input size it was scripted or traced at).')
         return h, w
 
+    @torch.jit.export  # compiled with every scripted layout, so functions a layer passes its layout to can call it
     def split_tokens(self, x: torch.Tensor, owner: str = 'layer') -> Tuple[Optional[torch.Tensor], torch.Tensor]:
         """Split ``(B, N, C)`` tokens into prefix tokens and a channels-first map.
 
