@@ -7,8 +7,8 @@ import pytest
 import timm
 
 import vitblocks.cli as cli
-from vitblocks.experiments import blocks_evidence
-from vitblocks.experiments.blocks_evidence import CLAIMS, EVIDENCE_PLAN, Claim, Tier, archive_runs, verdicts
+from vitblocks.reproduce import blocks_evidence
+from vitblocks.reproduce.blocks_evidence import CLAIMS, EVIDENCE_PLAN, Claim, Tier, archive_runs, verdicts
 from vitblocks.models.blocks_bench import ABLATION_CONFIGS, CONTROL_CONFIGS, MAIN_CONFIGS, bench_model_name
 from vitblocks.profile import count_params
 from test_reproduce import TINY, cifar_root  # noqa: F401  (the stand-in for CIFAR-10)

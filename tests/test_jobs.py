@@ -17,9 +17,9 @@ import yaml
 
 from vitblocks.cli import main
 from vitblocks.experiments.checkpoint import load_checkpoint
-from vitblocks.experiments.jobs import (Job, remaining_seconds, run_jobs, run_to_pause, shared_finish,
+from vitblocks.reproduce.jobs import (Job, remaining_seconds, run_jobs, run_to_pause, shared_finish,
                                        time_limit_window)
-from vitblocks.experiments.reproduce import ninformer_own_models
+from vitblocks.reproduce.ninformer_table1 import ninformer_own_models
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,7 +138,7 @@ def test_a_pool_started_in_the_background_of_a_script_still_pauses_a_starting_ru
     starting.write_text('import time\ntime.sleep(60)\n')
     pool = (f'import sys; sys.path.insert(0, {str(ROOT / "src")!r})\n'
             'from pathlib import Path\n'
-            'from vitblocks.experiments.jobs import Job, run_jobs\n'
+            'from vitblocks.reproduce.jobs import Job, run_jobs\n'
             f'job = Job("slow", [sys.executable, {str(starting)!r}], Path({str(tmp_path / "slow.log")!r}), '
             f'Path({str(tmp_path / "slow")!r}))\n'
             'report = run_jobs([job], parallel=1, threads=1, time_limit=0.5, window=0.1, poll=0.05)\n'

@@ -18,8 +18,8 @@ import vitblocks.cli as cli
 from vitblocks.cli import reproduce as reproduce_cmd
 from vitblocks.data import BatchTransform
 from vitblocks.experiments import engine, load_checkpoint
-from vitblocks.experiments.blocks_benchmark import BENCH_CONFIGS, check_fold
-from vitblocks.experiments.reproduce import ninformer_config, ninformer_jobs, ninformer_rechecks, select_rows
+from vitblocks.reproduce.blocks_benchmark import BENCH_CONFIGS, check_fold
+from vitblocks.reproduce.ninformer_table1 import ninformer_config, ninformer_jobs, ninformer_rechecks, select_rows
 from vitblocks.experiments.runlog import read_stop_record, write_stop_record
 from vitblocks.experiments.setup import create_model
 from vitblocks.models.blocks_bench import bench_model_name

@@ -33,7 +33,7 @@ from vitblocks.experiments import (CheckpointError, TrainingDiverged, TrainingIn
 from vitblocks.experiments.config import ConfigError, parse_overrides
 from vitblocks.experiments import engine
 from vitblocks.experiments.engine import Trainer
-from vitblocks.experiments.reproduce import run_or_reuse
+from vitblocks.reproduce.ninformer_table1 import run_or_reuse
 from vitblocks.experiments.runlog import read_stop_record
 from vitblocks.experiments.schedule import build_scheduler
 from vitblocks.experiments.setup import set_cuda_matmul_precision
@@ -298,7 +298,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
     ckpt = load_checkpoint(tmp_path / 'run' / 'last.pth')
     assert ckpt['global_step'] == 4
     assert all(torch.isfinite(v).all() for v in ckpt['model'].values() if v.is_floating_point())
-    # the run folder says why it stopped (what the lease's rechecks read), and a new attempt clears it
+    # the run folder says why it stopped (what the GPU job's rechecks read), and a new attempt clears it
     stop = read_stop_record(tmp_path / 'run')
     assert (stop['reason'], stop['global_step'], stop['checkpoint']) == ('diverged', 4, 'last.pth')
     assert stop['message'] == str(err.value) and not (tmp_path / 'run' / 'results.json').exists()
@@ -692,7 +692,7 @@ def test_eval_through_the_training_augmentation(data, tmp_path, capsys):
 
 
 def test_the_log_says_how_long_setup_and_the_first_step_took(data, tmp_path, capsys, monkeypatch):
-    # a lease's eight runs spent minutes before training (decoding, compiling): each log now says how many
+    # a GPU job's eight runs spent minutes before training (decoding, compiling): each log now says how many
     kw = ['model_kwargs={img_size: 8, patch_size: 4, embed_dim: 16, depth: 1, num_heads: 2}', 'progress=log',
           'tensorboard=false', 'log_interval=1']
     code, out, err = run_cli(capsys, 'train', '--model', 'vit_tiny_patch16_224', '--data', data, '--config',
@@ -926,7 +926,7 @@ class _PoolSeen(Exception):
 
 
 def test_reproduce_ablations_first_start_first_and_are_paused_last(tmp_path, capsys, monkeypatch):
-    """Where an ablation is what a short GPU lease is for, --ablations-first puts it before the table's rows in the
+    """Where an ablation is what a short GPU job is for, --ablations-first puts it before the table's rows in the
     pool: started first, and paused only after every Table 1 run (priority 2 against 0 and 1)."""
     from _train_helpers import write_shards
     write_shards(tmp_path / 'data' / 'mnist', 'train', n=16, per_shard=16, size=28, channels=1, num_classes=10)

@@ -7,14 +7,14 @@ from pathlib import Path
 
 from ..data import DataError
 from ..experiments import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, parse_overrides
-from ..experiments import blocks_benchmark as bench
 from ..experiments.plots import TradeoffPoint, plot_curves, plot_tradeoff
 from ..experiments.config import load_recipe
-from ..experiments.jobs import Job, run_jobs
 from ..experiments.runlog import write_json, write_text_atomic
-from ..experiments.reproduce import (NINFORMER_DATASETS, ninformer_data, ninformer_finished, ninformer_jobs,
-                                      is_finished, ninformer_log, ninformer_own_models, ninformer_run_config,
-                                      ninformer_table1, result_changing_keys, table_rows)
+from ..reproduce import blocks_benchmark as bench
+from ..reproduce.jobs import Job, run_jobs
+from ..reproduce.ninformer_table1 import (NINFORMER_DATASETS, ninformer_data, ninformer_finished, ninformer_jobs,
+                                          is_finished, ninformer_log, ninformer_own_models, ninformer_run_config,
+                                          ninformer_table1, result_changing_keys, table_rows)
 from .common import CliError, positive_float, positive_int, render_table
 
 NAME = 'reproduce'
@@ -244,7 +244,7 @@ def _ninformer(args) -> int:
 def _archive(args, outputs) -> None:
     """--archive: the runs of ``outputs`` (the table's and each ablation's folder) packed into one .tar.gz."""
     if args.archive:
-        from ..experiments.blocks_evidence import archive_runs
+        from ..reproduce.blocks_evidence import archive_runs
         n = archive_runs([Path(o) for o in outputs], Path(args.archive))
         print(f'archive: {args.archive} ({n} finished run(s), no checkpoints)')
 

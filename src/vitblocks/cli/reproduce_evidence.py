@@ -1,15 +1,15 @@
 """`vitblocks reproduce cifar10-blocks --plan evidence`: the controls, ablations and long schedule of the blocks
-benchmark (vitblocks.experiments.blocks_evidence), most telling runs first, inside a wall-clock limit."""
+benchmark (vitblocks.reproduce.blocks_evidence), most telling runs first, inside a wall-clock limit."""
 import sys
 import time
 from pathlib import Path
 
-from ..experiments import blocks_benchmark as bench
 from ..experiments import parse_overrides
-from ..experiments.blocks_evidence import EVIDENCE_PLAN, archive_runs, remaining_runs, verdict_table, verdicts
-from ..experiments.jobs import Job
-from ..experiments.reproduce import is_finished
 from ..experiments.runlog import read_json, write_json
+from ..reproduce import blocks_benchmark as bench
+from ..reproduce.blocks_evidence import EVIDENCE_PLAN, archive_runs, remaining_runs, verdict_table, verdicts
+from ..reproduce.jobs import Job
+from ..reproduce.ninformer_table1 import is_finished
 from .common import CliError
 from .reproduce import _blocks_outputs, _budget_flags, _budget_line, _report_unfinished, _run_children, _write_table
 

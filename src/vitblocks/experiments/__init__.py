@@ -1,6 +1,7 @@
 """Training and evaluation on real data: config and recipes, the training loop (exact resume,
-DDP, AMP), evaluation, run folders (checkpoints, metrics.csv, TensorBoard), plots, and the
-papers' reproduction harnesses.
+DDP, AMP), evaluation, run folders (checkpoints, metrics.csv, TensorBoard) and plots. The papers'
+own harnesses (a table's reproduction, the blocks benchmark, runs inside a time limit) are in
+``vitblocks.reproduce``.
 
     >>> from vitblocks.experiments import merge, load_recipe, train
     >>> cfg = merge(load_recipe('ninformer'), {'model': 'vit_tiny_patch16_224', 'data': 'path/to/mnist'})

@@ -11,7 +11,7 @@ from ..data import (BatchTransform, DataError, EpochOrder, ImageDataset, PILLoad
                     resolve_data_path)
 from ..data.shards import is_shard_path
 from ..data.transforms import PIL_ONLY_AUGMENTS
-from ..models import resolve_model_name
+from ..models import get_variant, resolve_model_name
 from ..profile import fixed_image_size, input_size_of
 from .config import ConfigError, TrainConfig
 
@@ -42,15 +42,17 @@ def set_cuda_matmul_precision(precision: str) -> None:
 def mlp_dropout_kwargs(name: str, p: float) -> Dict[str, Any]:
     """Model kwargs for dropout ``p`` in a model's MLP sub-units, the NiNformer authors' setting
     (0.5 in every feed-forward net: NiNformer's Mixer token/channel MLPs and its outer FFN,
-    ``block_cfg=dict(drop=0.5)`` per ``vitblocks.models.ninformer``). The NiNformer-paper models
-    that swap blocks in (NiNformer, MLP-Mixer, LocalViT) take it as ``block_cfg.drop``; timm models
-    (and the paper's plain ViT baseline) as ``proj_drop_rate`` (dropout in the blocks' MLP and
-    attention projection)."""
+    ``block_cfg=dict(drop=0.5)`` per ``vitblocks.models.ninformer``). A registered model says where it
+    takes it (``VariantSpec.mlp_drop_kwarg``): the NiNformer-paper models that swap blocks in (NiNformer,
+    MLP-Mixer, LocalViT) as ``block_cfg.drop``; timm models (and the paper's plain ViT baseline) as
+    ``proj_drop_rate`` (dropout in the blocks' MLP and attention projection)."""
     if not p:
         return {}
-    if name.startswith('ninformer_') and not name.startswith('ninformer_baseline_vit'):
-        return {'block_cfg': {'drop': p}}
-    return {'proj_drop_rate': p}
+    try:
+        key = get_variant(name).mlp_drop_kwarg
+    except ValueError:  # not a vitblocks model: a timm one
+        key = 'proj_drop_rate'
+    return {'block_cfg': {'drop': p}} if key == 'block_cfg' else {key: p}
 
 
 def model_name(cfg: TrainConfig) -> str:

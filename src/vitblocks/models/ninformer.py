@@ -223,7 +223,10 @@ def _register(stem, base, args, build, cfg, what, params):
             # the data config of the built model (the timm base is a 224 px ImageNet model); the
             # authors normalize with mean 0.5, std 0.5
             pretrained_cfg=dict(input_size=(c, size, size), fixed_input_size=True,
-                                crop_pct=1.0, mean=(0.5,) * c, std=(0.5,) * c, num_classes=10)))
+                                crop_pct=1.0, mean=(0.5,) * c, std=(0.5,) * c, num_classes=10),
+            # the authors' dropout is in every feed-forward net of the swapped-in blocks (block_cfg drop); the
+            # ViT baseline has no block config: timm's proj_drop_rate
+            mlp_drop_kwarg='proj_drop_rate' if build is _build_vit else 'block_cfg'))
 
 
 for _spec in NINFORMER_MODELS:

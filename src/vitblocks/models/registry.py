@@ -38,8 +38,13 @@ class VariantSpec:
     description: str = ''
     # pretrained-config fields that differ from the base's (a model built at another input size)
     pretrained_cfg: Dict[str, Any] = field(default_factory=dict)
+    # where a training config's ``mlp_drop`` goes (vitblocks.experiments.setup.mlp_dropout_kwargs): timm's
+    # 'proj_drop_rate' (dropout in the blocks' MLP and attention projection), or 'block_cfg' (``block_cfg['drop']``:
+    # the swapped-in blocks' own dropout, e.g. in every feed-forward net of a NiNformer block)
+    mlp_drop_kwarg: str = 'proj_drop_rate'
 
 
+MLP_DROP_KWARGS = ('proj_drop_rate', 'block_cfg')
 _VARIANTS: Dict[str, VariantSpec] = {}
 
 
@@ -91,6 +96,9 @@ def register_variant(spec: VariantSpec) -> VariantSpec:
         raise ValueError(f'model {spec.name!r} is already registered by vitblocks')
     if spec.name in timm.list_models():
         raise ValueError(f'{spec.name!r} is a timm model name; vitblocks names are <method>_<timm name>')
+    if spec.mlp_drop_kwarg not in MLP_DROP_KWARGS:
+        raise ValueError(f'{spec.name}: mlp_drop_kwarg={spec.mlp_drop_kwarg!r}; use one of '
+                         f'{", ".join(MLP_DROP_KWARGS)}')
     base_cfg = asdict(get_pretrained_cfg(spec.base))
     unknown = set(spec.pretrained_cfg) - set(_CFG_KEYS)
     if unknown:

@@ -19,12 +19,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..data import DataError, data_roots
+from ..experiments.config import RESUME_CHANGEABLE, TrainConfig, load_config, load_recipe, merge
+from ..experiments.engine import train
+from ..experiments.runlog import read_metrics, read_stop_record
+from ..experiments.setup import create_model
 from ..papers import load_paper
 from ..profile import count_params
-from .config import RESUME_CHANGEABLE, TrainConfig, load_config, load_recipe, merge
-from .engine import train
-from .runlog import read_metrics, read_stop_record
-from .setup import create_model
 
 __all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'read_run', 'ninformer_config', 'ninformer_jobs',
            'ninformer_data', 'table_rows', 'find_dataset', 'run_or_reuse', 'select_rows', 'budget_overrides',

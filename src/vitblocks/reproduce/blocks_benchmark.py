@@ -17,13 +17,13 @@ import torch
 from timm.utils import reparameterize_model
 
 from ..data import DataError, data_roots
+from ..experiments.checkpoint import load_model_weights
+from ..experiments.config import TrainConfig, load_config, load_recipe, merge
+from ..experiments.runlog import read_json, write_json
+from ..experiments.setup import create_model, make_loader, resolve_device, setup_data
 from ..models.blocks_bench import BLOCK_CONFIGS, MAIN_CONFIGS, bench_model_name
 from ..profile import benchmark_models, count_macs, count_params, fixed_threads
-from .checkpoint import load_model_weights
-from .config import TrainConfig, load_config, load_recipe, merge
-from .reproduce import budget_overrides, find_dataset, run_or_reuse
-from .runlog import read_json, write_json
-from .setup import create_model, make_loader, resolve_device, setup_data
+from .ninformer_table1 import budget_overrides, find_dataset, run_or_reuse
 
 __all__ = ['BENCH_CONFIGS', 'ALL_CONFIGS', 'BENCH_SEEDS', 'BenchRun', 'bench_config', 'select_configs',
            'run_benchmark', 'check_fold', 'summarize', 'table', 'PAPER_CLAIMS']

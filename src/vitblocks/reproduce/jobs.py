@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional
 
 import yaml
 
-from .runlog import read_metrics
+from ..experiments.runlog import read_metrics
 
 __all__ = ['Job', 'JobsReport', 'run_jobs', 'remaining_seconds', 'shared_finish', 'run_to_pause', 'time_limit_window']
 
@@ -258,7 +258,7 @@ class _Pool:
 @contextlib.contextmanager
 def _sigint_reaches_the_runs():
     """While the pool runs, SIGINT is not ignored. A process started by a shell script's ``cmd &`` inherits
-    SIGINT ignored (bash ignores it in background commands without job control; scripts/gpu_lease.sh starts
+    SIGINT ignored (bash ignores it in background commands without job control; scripts/gpu_job.sh starts
     its rechecks so), and so would every run it starts. A run sets its own handler once it starts training,
     but before that (importing torch, decoding its data) a pause could not stop it: it trained on until
     killed ``STOP_GRACE`` seconds after the limit. A signal with a handler is reset to its default action in
