@@ -1,7 +1,7 @@
 """`vitblocks bench` options (--amp, --channels-last, --compile, --device, --json) and the timers under them.
 
 The CUDA paths are checked without a GPU where they can be (timer selection, option checks with a
-fake CUDA); a real GPU run is scripts/gpu_issue15.sh.
+fake CUDA); a real GPU run is scripts/gpu_job.sh (its speed sweep).
 """
 import json
 import statistics

@@ -3,7 +3,7 @@
 What runs on a GPU is not what the CPU tests check: the deployed IFFN and AFBO take their whole-batch
 reference forward there (their sliced inference paths are CPU-only), the kernels are cuBLAS / cuDNN /
 Triton ones, and bf16 autocast casts on a different list. So every check below runs once per device:
-``cpu`` in the suite (CI), ``cuda`` where a GPU is present, which ``scripts/gpu_lease.sh`` runs
+``cpu`` in the suite (CI), ``cuda`` where a GPU is present, which ``scripts/gpu_job.sh`` runs
 (``-k cuda``; without a GPU those cases skip). The models are the nine of the CIFAR-10 blocks benchmark
 (``bench_<config>_vit_tiny_patch4_32``: one 32x32 ViT, each paper's block swapped in), so every block of
 the five papers is covered on a small input. fp32 comparisons run with TF32 off, as ``check_fold`` does.
@@ -21,7 +21,7 @@ from vitblocks.models.blocks_bench import BLOCK_CONFIGS, bench_model_name
 
 CONFIGS = [c[0] for c in BLOCK_CONFIGS]
 DEPLOY_PATHS = ['iffn', 'afbo', 'repa']  # the configurations whose deployed form runs other code than training
-NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device (run by scripts/gpu_lease.sh)')
+NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device (run by scripts/gpu_job.sh)')
 
 
 def _on(request):

@@ -466,7 +466,7 @@ def test_under_ddp_a_stop_is_agreed_one_step_after_the_signal_whatever_the_log_i
     assert Trainer._stop_requested(fake, now=True) and fake._stop_vote is None  # after an evaluation: at once
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device (run by scripts/gpu_lease.sh)')
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device (run by scripts/gpu_job.sh)')
 def test_a_cuda_vote_is_read_without_waiting_for_the_kernels_queued_after_it():
     """The stop vote of step i is read at step i+1, with that step already queued: reading it must wait for the
     vote only (an event recorded behind its copy to pinned memory), not for the step queued after it, as

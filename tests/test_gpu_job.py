@@ -1,9 +1,10 @@
-"""scripts/gpu_lease.sh (everything owed to a GPU lease, as one background job), dry-run on the CPU.
+"""scripts/gpu_job.sh: the evidence and speed suites inside a GPU job with a wall-clock limit, resumed in the next
+job from one state file; dry-run on the CPU.
 
-The job must outlive the call that started it (the device tool ends a call's processes, not a new
-process session's), a second call must watch the running job instead of starting another, and the
-packed results must hold every step: Table 1's eight runs and their rechecks, the GPU check and the sweep. Slow: eight
-training processes and the sweep's models on two CPU cores.
+What a user relies on: the job outlives the call that started it and a second call watches it instead of starting
+another; Table 1 gets the job's time less a margin, and no wave starts that cannot finish in what is left; the one
+state file holds every step, and the next job resumes from it (finished runs reused, not retrained). The slow tests
+run eight training processes and the sweep's models on two CPU cores.
 """
 import json
 import os
@@ -23,18 +24,18 @@ sys.path.insert(0, str(ROOT / 'tests'))
 
 
 @pytest.fixture(autouse=True)
-def _no_lease_job_outlives_its_test(tmp_path):
+def _no_gpu_job_outlives_its_test(tmp_path):
     """The job leads its own process session, so a failed test would leave it and its training processes running
     (a second dry run beside it doubled the memory in use): its process group is killed after each test."""
     yield
     try:
-        os.killpg(int((tmp_path / 'runs/lease.pid').read_text()), signal.SIGKILL)
+        os.killpg(int((tmp_path / 'runs/gpu_job.pid').read_text()), signal.SIGKILL)
     except (OSError, ValueError):  # no job, or it ended already
         pass
 
 
 @pytest.mark.slow
-def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
+def test_the_gpu_job_outlives_its_call_and_packs_every_step_into_one_state_file(tmp_path):
     from _train_helpers import write_shards
     for name, size, channels in (('mnist', 28, 1), ('cifar10', 32, 3)):
         write_shards(tmp_path / 'data' / name, 'train', n=128, per_shard=128, size=size, channels=channels,
@@ -53,19 +54,19 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
            'EVAL_FLAGS': '--device cpu --threads 1', 'T1_TIME_LIMIT': '3000'}  # every wave starts, slow CPU or not
 
     def call(seconds):
-        return subprocess.run(['bash', 'scripts/gpu_lease.sh', str(seconds)], cwd=tmp_path, env=env,
+        return subprocess.run(['bash', 'scripts/gpu_job.sh', str(seconds)], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=900)
 
     first = call(1)  # returns long before eight training processes can finish
-    assert 'lease job started' in first.stdout and 'lease job: still running' in first.stdout, first.stdout
-    pid = int((tmp_path / 'runs/lease.pid').read_text())
+    assert 'GPU job started' in first.stdout and 'GPU job: still running' in first.stdout, first.stdout
+    pid = int((tmp_path / 'runs/gpu_job.pid').read_text())
     time.sleep(2)
     os.kill(pid, 0)  # still alive after its call returned (raises if not)
     second = call(800)
-    assert f'lease job running (pid {pid}), watching it' in second.stdout, second.stdout
-    assert 'Table 1: 8 of 8 runs finished' in second.stdout and 'lease job: done' in second.stdout, \
+    assert f'GPU job running (pid {pid}), watching it' in second.stdout, second.stdout
+    assert 'Table 1: 8 of 8 runs finished' in second.stdout and 'GPU job: done' in second.stdout, \
         second.stdout + (tmp_path / 'runs/gpu-t1.log').read_text()[-3000:]
-    log = (tmp_path / 'runs/lease.log').read_text()
+    log = (tmp_path / 'runs/gpu_job.log').read_text()
     assert 'table1 exit 0' in log
     for wave in ('1 (cifar10 NiNformer torchinit first)', '2 (mnist MlpMixer,NiNformer -)',
                  '3 (cifar10 ViT seeds first)', '4 (mnist,cifar10 - torchinit,seeds)'):
@@ -87,10 +88,12 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     assert f'{3 * len(BLOCK_CONFIGS) + 5} skipped' in (tmp_path / 'runs/gpu-t1-cudatests.txt').read_text()
     assert 'GPU check exit 0' in log and 'sweep exit 0' in log
     # the committed H100 sweep was seeded in, refused on this other setup, and set aside, not mixed in
-    assert (tmp_path / 'runs/gpu15-other-setup/env.json').is_file()
-    assert json.loads((tmp_path / 'runs/gpu15/env.json').read_text())['img_size'] == 32
-    with tarfile.open(tmp_path / 'out/results.tgz') as tar:
+    assert (tmp_path / 'runs/gpu_speed-other-setup/env.json').is_file()
+    assert json.loads((tmp_path / 'runs/gpu_speed/env.json').read_text())['img_size'] == 32
+    assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == ['gpu_job_state.tgz']  # the one state file
+    with tarfile.open(tmp_path / 'out/gpu_job_state.tgz') as tar:
         names = tar.getnames()
+        summary = tar.extractfile('runs/gpu_check/summary.md').read().decode()
     assert not any(n.endswith('.pth') for n in names)
     assert sum(n.startswith('runs/gpu-t1/') and n.endswith('/results.json') for n in names) == 8
     # one-step runs are far below the paper: every row is rerun in full fp32; none diverged, so none with clipping
@@ -120,17 +123,14 @@ def test_the_lease_job_outlives_its_call_and_packs_every_step(tmp_path):
     # each run's progress line (its last test row), and no stop record: none stopped early
     assert 'runs/gpu-t1/cifar10/ninformer_vit_patch4_32/metrics.csv 1,' in second.stdout
     assert '  stopped: ' not in second.stdout
-    with tarfile.open(tmp_path / 'out/gpu15.tgz') as tar:
-        assert 'runs/gpu15/fp32-eager-b1/deit_tiny.json' in tar.getnames()
-    with tarfile.open(tmp_path / 'out/gpu_check.tgz') as tar:
-        summary = tar.extractfile('runs/gpu_check/summary.md').read().decode()
+    assert 'runs/gpu_speed/fp32-eager-b1/deit_tiny.json' in names
     assert '| iffn_deit_tiny_patch16_224 | deit_tiny_patch16_224 |' in summary, summary
     third = call(5)  # nothing left: no new job
-    assert 'lease job finished in an earlier call' in third.stdout
-    assert (tmp_path / 'runs/lease.log').read_text().count('lease job started') == 1
+    assert 'GPU job finished in an earlier call' in third.stdout
+    assert (tmp_path / 'runs/gpu_job.log').read_text().count('GPU job started') == 1
 
 
-def _lease_dir(tmp_path):
+def _job_dir(tmp_path):
     for d in ('src', 'scripts'):
         (tmp_path / d).symlink_to(ROOT / d)
     return tmp_path
@@ -143,20 +143,20 @@ def _finished_or_not(root, runs):
             (root / run / name).write_text(f'{run} {name}')
 
 
-def test_a_fresh_lease_reuses_the_committed_finished_runs(tmp_path):
-    """A lease on a fresh machine with no earlier results.tgz starts from the runs committed finished (Table 1's,
+def test_a_fresh_job_reuses_the_committed_finished_runs(tmp_path):
+    """A job on a fresh machine with no earlier state file starts from the runs committed finished (Table 1's,
     the init ablation's and the ViT seeds'), each in the folder its command writes, so only the rest train; an
     unfinished one, whose checkpoint never left its machine, is not copied."""
-    lease = _lease_dir(tmp_path)
-    seed = lease / 'seed'
+    job = _job_dir(tmp_path)
+    seed = job / 'seed'
     _finished_or_not(seed, {'cifar10/ninformer_baseline_vit_patch4_32': True, 'mnist/ninformer_vit_patch4_28': False})
-    _finished_or_not(lease / 'seed_torchinit', {'cifar10/ninformer_vit_patch4_32': True})
-    _finished_or_not(lease / 'seed_seed2', {'cifar10/ninformer_baseline_vit_patch4_32': True})
+    _finished_or_not(job / 'seed_torchinit', {'cifar10/ninformer_vit_patch4_32': True})
+    _finished_or_not(job / 'seed_seed2', {'cifar10/ninformer_baseline_vit_patch4_32': True})
     env = {**os.environ, 'PYTHON': sys.executable, 'T1_SEED': 'seed'}
-    out = subprocess.run(['bash', 'scripts/gpu_lease.sh', '--unpack-only'], cwd=lease, env=env, capture_output=True,
+    out = subprocess.run(['bash', 'scripts/gpu_job.sh', '--unpack-only'], cwd=job, env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    runs = lease / 'runs'
+    runs = job / 'runs'
     assert sorted(p.relative_to(runs).as_posix() for p in runs.rglob('results.json')) == [
         'gpu-t1-seed2/cifar10/ninformer_baseline_vit_patch4_32/results.json',
         'gpu-t1-torchinit/cifar10/ninformer_vit_patch4_32/results.json',
@@ -164,26 +164,33 @@ def test_a_fresh_lease_reuses_the_committed_finished_runs(tmp_path):
     assert (runs / 'gpu-t1/cifar10/ninformer_baseline_vit_patch4_32/metrics.csv').read_text() == \
         'cifar10/ninformer_baseline_vit_patch4_32 metrics.csv'
     assert not (runs / 'gpu-t1/mnist').exists()
-    log = (runs / 'lease.log').read_text()
+    log = (runs / 'gpu_job.log').read_text()
     assert 'reused committed run runs/gpu-t1/cifar10/ninformer_baseline_vit_patch4_32' in log
-    assert not (runs / 'lease.pid').exists()  # --unpack-only starts no job
+    assert not (runs / 'gpu_job.pid').exists()  # --unpack-only starts no job
 
 
-def test_an_earlier_leases_results_win_over_the_committed_runs(tmp_path):
-    lease = _lease_dir(tmp_path)
-    _finished_or_not(lease / 'seed', {'cifar10/ninformer_baseline_vit_patch4_32': True})
-    _finished_or_not(lease / 'earlier/runs/gpu-t1', {'mnist/ninformer_vit_patch4_28': True})
-    (lease / '.gpu_state').mkdir()
-    with tarfile.open(lease / '.gpu_state/results.tgz', 'w:gz') as tar:
-        tar.add(lease / 'earlier/runs', arcname='runs')
+def test_the_next_job_resumes_from_the_state_file_not_the_committed_runs(tmp_path):
+    """The state file an earlier job left wins over the committed runs: its finished runs are reused, its
+    unfinished ones (whose checkpoints stayed on their machine) start over, and its sweep is kept."""
+    job = _job_dir(tmp_path)
+    _finished_or_not(job / 'seed', {'cifar10/ninformer_baseline_vit_patch4_32': True})
+    _finished_or_not(job / 'earlier/runs/gpu-t1', {'mnist/ninformer_vit_patch4_28': True,
+                                                     'cifar10/ninformer_vit_patch4_32': False})
+    (job / 'earlier/runs/gpu_speed/fp32-eager-b128').mkdir(parents=True)
+    (job / 'earlier/runs/gpu_speed/fp32-eager-b128/deit_tiny.json').write_text('[]')
+    (job / '.gpu_state').mkdir()
+    with tarfile.open(job / '.gpu_state/gpu_job_state.tgz', 'w:gz') as tar:
+        tar.add(job / 'earlier/runs', arcname='runs')
     env = {**os.environ, 'PYTHON': sys.executable, 'T1_SEED': 'seed'}
-    subprocess.run(['bash', 'scripts/gpu_lease.sh', '--unpack-only'], cwd=lease, env=env, check=True, timeout=60)
-    assert [p.relative_to(lease / 'runs').as_posix() for p in (lease / 'runs').rglob('results.json')] == [
+    subprocess.run(['bash', 'scripts/gpu_job.sh', '--unpack-only'], cwd=job, env=env, check=True, timeout=60)
+    assert [p.relative_to(job / 'runs').as_posix() for p in (job / 'runs').rglob('results.json')] == [
         'gpu-t1/mnist/ninformer_vit_patch4_28/results.json']
+    assert not (job / 'runs/gpu-t1/cifar10/ninformer_vit_patch4_32').exists()
+    assert (job / 'runs/gpu_speed/fp32-eager-b128/deit_tiny.json').read_text() == '[]'
 
 
-def test_the_committed_table1_runs_are_the_ones_the_lease_reuses():
-    """What the lease seeds from: finished runs of the current recipe, each with what a reuse reads."""
+def test_the_committed_table1_runs_are_the_ones_a_fresh_job_reuses():
+    """What a fresh job seeds from: finished runs of the current recipe, each with what a reuse reads."""
     seed = ROOT / 'docs/results/ninformer_table1_h100'
     runs = sorted(p.parent for p in seed.glob('*/*/results.json'))
     assert len(runs) >= 5
@@ -196,8 +203,8 @@ def test_the_committed_table1_runs_are_the_ones_the_lease_reuses():
 
 @pytest.mark.slow
 def test_a_late_machine_skips_table1_for_the_speed_sweep(tmp_path):
-    """A machine started with less than T1_MIN seconds of lease left cannot finish any Table 1 run: the job
-    trains nothing and goes straight to issue 15's measurements."""
+    """A job started with less than T1_MIN seconds left cannot finish any Table 1 run: it trains nothing and
+    goes straight to the speed measurements."""
     for d in ('src', 'scripts', 'docs'):
         (tmp_path / d).symlink_to(ROOT / d)
     (tmp_path / 'out').mkdir()
@@ -205,10 +212,10 @@ def test_a_late_machine_skips_table1_for_the_speed_sweep(tmp_path):
            'T1_SEED': '', 'CHECK_FLAGS': 'none',
            'SWEEP_FLAGS': '--device cpu --img-size 32 --batches 1 --precisions fp32 --compile eager --warmup 0 '
                           '--repeats 1 --groups deit_tiny'}
-    out = subprocess.run(['bash', 'scripts/gpu_lease.sh', '600'], cwd=tmp_path, env=env, capture_output=True,
+    out = subprocess.run(['bash', 'scripts/gpu_job.sh', '600'], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=900)
-    assert 'lease job: done' in out.stdout and 'Table 1: 0 of 8 runs finished' in out.stdout, out.stdout + out.stderr
-    log = (tmp_path / 'runs/lease.log').read_text()
+    assert 'GPU job: done' in out.stdout and 'Table 1: 0 of 8 runs finished' in out.stdout, out.stdout + out.stderr
+    log = (tmp_path / 'runs/gpu_job.log').read_text()
     assert 'table1 skipped: T1_TIME_LIMIT 200 s < T1_MIN 400 s' in log and 'sweep exit 0' in log, log
     assert 'table1 exit' not in log and 'mps:' not in log  # nothing to share the GPU between
     assert not list((tmp_path / 'runs').glob('gpu-t1*/*/*/config.yaml'))  # nothing trained
@@ -223,17 +230,17 @@ def _fake_python(tmp_path):
                                       'case "$*" in *reproduce*) sleep 5;; esac\n'), calls
 
 
-def test_a_15_minute_lease_runs_table1_in_waves_the_init_ablation_first(tmp_path):
-    """The lease's time (LEASE_SECONDS, the device tool's 15 minutes by default) less 300 s is Table 1's; the
-    first wave, the CIFAR-10 NiNformer row with its init ablation started first, gets all of it, and a wave is not
-    started with less than T1_MIN left."""
-    lease = _lease_dir(tmp_path)
+def test_table1_gets_the_jobs_time_less_a_margin_and_no_wave_starts_that_cannot_finish(tmp_path):
+    """What is left of the job's wall-clock limit (JOB_SECONDS, 15 minutes by default) less 300 s is Table 1's
+    time limit; the first wave, the CIFAR-10 NiNformer row with its init ablation started first, gets all of it,
+    and a wave is not started with less than T1_MIN left."""
+    job = _job_dir(tmp_path)
     python, calls = _fake_python(tmp_path)
     env = {**os.environ, 'PYTHON': python, 'T1_MPS': '0', 'CHECK_FLAGS': 'none', 'CUDA_TESTS': 'none',
-           'LEASE_SECONDS': '305', 'T1_MIN': '1'}
-    out = subprocess.run(['bash', 'scripts/gpu_lease.sh', '60'], cwd=lease, env=env, capture_output=True, text=True,
+           'JOB_SECONDS': '305', 'T1_MIN': '1'}
+    out = subprocess.run(['bash', 'scripts/gpu_job.sh', '60'], cwd=job, env=env, capture_output=True, text=True,
                          timeout=120, stdin=subprocess.DEVNULL)
-    assert 'lease job: done' in out.stdout, out.stdout + out.stderr
+    assert 'GPU job: done' in out.stdout, out.stdout + out.stderr
     reproduce = [c.split('|')[:-1] for c in calls.read_text().splitlines() if 'reproduce' in c]
     assert len(reproduce) == 1, reproduce  # 5 s of the 5: no time for the next wave
     argv = reproduce[0]
@@ -241,53 +248,26 @@ def test_a_15_minute_lease_runs_table1_in_waves_the_init_ablation_first(tmp_path
     assert argv[argv.index('--time-limit') + 1] in ('5', '4')  # 305 s less 300, less the second it may have taken
     assert argv[-5:] == ['--ablation', 'torchinit', 'cifar10/NiNformer', 'model_kwargs={block_cfg: {init: torch}}',
                          '--ablations-first']
-    log = (lease / 'runs/lease.log').read_text()
+    log = (job / 'runs/gpu_job.log').read_text()
     assert 'table1 wave 1 (cifar10 NiNformer torchinit first) exit 0' in log
     for wave in ('2 (mnist MlpMixer,NiNformer -)', '3 (cifar10 ViT seeds first)',
                  '4 (mnist,cifar10 - torchinit,seeds)'):
         assert re.search(rf'table1 wave {re.escape(wave)} not started: -?\d+ s left < T1_MIN 1 s', log), log
-    assert 'sweep exit 0' in log  # then issue 15's measurements, as before
+    assert 'sweep exit 0' in log  # then the speed measurements
 
 
 @pytest.mark.parametrize('waves', ['cifar10 NiNformer torchnit', 'cifar10 NiNformer torchinit last', 'cifar10 ViT',
                                    'mnist - -; cifar10 ViT seeds,init'])
 def test_a_wrong_wave_is_the_calls_error_before_any_job_starts(tmp_path, waves):
-    lease = _lease_dir(tmp_path)
+    job = _job_dir(tmp_path)
     python, calls = _fake_python(tmp_path)
-    out = subprocess.run(['bash', 'scripts/gpu_lease.sh', '60'], cwd=lease, env={**os.environ, 'PYTHON': python,
+    out = subprocess.run(['bash', 'scripts/gpu_job.sh', '60'], cwd=job, env={**os.environ, 'PYTHON': python,
                          'T1_WAVES': waves}, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert out.returncode == 2 and "is not 'DATASETS ROWS ABLATIONS [first]'" in out.stderr, out.stderr
-    assert not (lease / 'runs').exists() and not calls.exists()
+    assert not (job / 'runs').exists() and not calls.exists()
 
 
 def _fake(path, body):
     path.write_text('#!/bin/bash\n' + body)
     path.chmod(0o755)
     return str(path)
-
-
-@pytest.mark.parametrize('case', ['on', 'probe fails', 'no daemon', 'off'])
-def test_table1_shares_the_gpu_through_mps_where_a_probe_client_computes(tmp_path, case):
-    """MPS (its kernels side by side, not in time slices) for Table 1's runs: started, probed by a CUDA client,
-    stopped before the speed measurements; a failed probe stops the daemon and the runs go on without it.
-    Fakes of the daemon's control program and of the probe's Python stand in for a GPU machine's."""
-    lease = _lease_dir(tmp_path)
-    calls = tmp_path / 'calls.txt'
-    control = _fake(tmp_path / 'mps-control', f'echo "$* $(cat) pipe=$CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n'
-                    if case != 'no daemon' else 'exit 0\n')
-    probe = _fake(tmp_path / 'probe-python', 'exit 1\n' if case == 'probe fails' else 'exit 0\n')
-    env = {**os.environ, 'PYTHON': probe, 'MPS_CONTROL': control if case != 'no daemon' else 'no-such-mps-control',
-           'T1_MPS': '0' if case == 'off' else '1'}
-    subprocess.run(['bash', 'scripts/gpu_lease.sh', '--mps-only'], cwd=lease, env=env, check=True, timeout=60,
-                   stdin=subprocess.DEVNULL)
-    log = (lease / 'runs/lease.log').read_text()
-    if case in ('no daemon', 'off'):
-        assert ('mps: not available (no no-such-mps-control)' if case == 'no daemon' else 'mps: off (T1_MPS=0)') in log
-        assert not calls.exists()
-        return
-    # started as a daemon, then told to quit (after Table 1, or at once when the probe failed)
-    assert calls.read_text().splitlines() == ['-d  pipe=/tmp/vitblocks-mps/pipe', ' quit pipe=/tmp/vitblocks-mps/pipe']
-    if case == 'on':
-        assert 'mps: on' in log and 'mps: stopped' in log and 'failed its probe' not in log
-    else:
-        assert 'mps: failed its probe (above), off' in log and 'mps: on' not in log

@@ -1,6 +1,6 @@
-"""Issue 15's GPU results (scripts/gpu_issue15.sh) as markdown, the papers' claimed speed-ups beside ours.
+"""The GPU speed sweep's results (scripts/gpu_speed_sweep.py) as markdown, the papers' claimed speed-ups beside ours.
 
-    python scripts/gpu_table15.py runs/gpu15 > table.md
+    python scripts/gpu_speed_table.py runs/gpu_speed > table.md
 
 Speed-up = images/s ratio to the group's vanilla backbone, measured in the same run (median
 times). The papers' claims come from their tables (vitblocks/papers/*.yaml):
@@ -23,9 +23,9 @@ from types import SimpleNamespace
 from vitblocks.papers import load_paper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_issue15 import BATCHES, GROUPS, MODES, PRECISIONS, settings  # noqa: E402  (what the runs measured)
+from gpu_speed_sweep import BATCHES, GROUPS, MODES, PRECISIONS, settings  # noqa: E402  (what the runs measured)
 
-# the setting names of the full sweep, in the order scripts/gpu_issue15.py runs them
+# the setting names of the full sweep, in the order scripts/gpu_speed_sweep.py runs them
 FULL_SWEEP = [s[0] for s in settings(SimpleNamespace(compile=MODES, precisions=PRECISIONS, batches=BATCHES))]
 
 # AFBO Table 11's GLU (M = 4) latencies: afbo.yaml keeps latencies in row notes, and its three GLU rows share
@@ -128,7 +128,7 @@ def table(folder: Path, setting: str, claims) -> list:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print(f'usage: gpu_table15.py RESULTS_FOLDER (runs/gpu15 of scripts/gpu_issue15.sh); got {argv}',
+        print(f'usage: gpu_speed_table.py RESULTS_FOLDER (runs/gpu_speed of scripts/gpu_job.sh); got {argv}',
               file=sys.stderr)
         return 2
     folder = Path(argv[0])

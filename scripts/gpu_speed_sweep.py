@@ -1,4 +1,4 @@
-"""Issue 15's GPU speed tables: every model group at every setting, resumable, one JSON file per run.
+"""The GPU speed sweep: every model group at every setting, resumable, one JSON file per run.
 
 A *group* is one backbone with its variants, timed interleaved in one run (vitblocks.profile.
 benchmark_models), so each ratio to the vanilla backbone is a same-run ratio:
@@ -20,8 +20,9 @@ fp32 eager batch 128, comes first, compiled runs last (they cost the most GPU ti
 Each finished (setting, group) is written to OUT/<setting>/<group>.json (atomically: a temp file,
 then os.replace) with the records of `vitblocks bench --json` (timm benchmark.py's fields); a
 later call skips what exists, so calls under a time budget add up. OUT/env.json records the GPU,
-driver, torch, CUDA and timm versions. Usage: scripts/gpu_issue15.sh (the one command); for a dry
-run on the CPU: --device cpu --img-size 32 --batches 1 --warmup 0 --repeats 1 --groups deit_tiny.
+driver, torch, CUDA and timm versions; a folder measured on another setup is refused, so one table never mixes
+two machines. scripts/gpu_job.sh runs it inside a GPU job with a time limit and resumes it in the next job; for a
+dry run on the CPU: --device cpu --img-size 32 --batches 1 --warmup 0 --repeats 1 --groups deit_tiny.
 """
 import argparse
 import json
@@ -159,7 +160,7 @@ def write_json(path: Path, data) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--out', default='runs/gpu15', help='results folder (default runs/gpu15)')
+    p.add_argument('--out', default='runs/gpu_speed', help='results folder (default runs/gpu_speed)')
     p.add_argument('--device', default='cuda')
     p.add_argument('--budget', type=float, default=float('inf'), help='start no new run after this many seconds')
     p.add_argument('--groups', default=','.join(GROUPS), help='comma-separated groups (default all)')
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
                    for k in ('gpu', 'cpu', 'torch', 'img_size', 'warmup', 'repeats') if before.get(k) != env.get(k)]
         if changed:
             p.error(f'{out} holds runs measured on another setup ({"; ".join(changed)}): their ratios would be '
-                    f'mixed with this machine\'s in one table; give a fresh --out (or drop .gpu_state/gpu15.tgz)')
+                    f'mixed with this machine\'s in one table; give a fresh --out')
     write_json(out / 'env.json', env)
     t0 = time.monotonic()
     todo = [(s, g) for s in settings(args) for g in args.groups if not (out / s[0] / f'{g}.json').is_file()]

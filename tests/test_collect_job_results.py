@@ -1,4 +1,5 @@
-"""scripts/lease_collect.py: a GPU lease's results.tgz into docs/results, checked on the runs of a real lease."""
+"""scripts/collect_job_results.py: the Table 1 runs of a GPU job's state file into docs/results, checked on the runs of
+a real GPU job."""
 import json
 import shutil
 import subprocess
@@ -30,38 +31,41 @@ def _copy_run(src: Path, dst: Path, up_to_epoch=None, seed=None):
 
 
 def _collect(cwd: Path, *args):
-    return subprocess.run([sys.executable, str(ROOT / 'scripts/lease_collect.py'), *args], cwd=cwd,
+    return subprocess.run([sys.executable, str(ROOT / 'scripts/collect_job_results.py'), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 
-def test_a_lease_archive_lands_where_the_next_lease_seeds_from(tmp_path):
+def test_a_job_state_file_lands_where_the_next_job_seeds_from(tmp_path):
     """Finished runs replace committed copies (an identical one is left alone); an unfinished run replaces a committed
-    unfinished copy only if it got further; a seed group lands in its own folder; each folder gets its table."""
-    lease = tmp_path / 'lease'
-    _copy_run(H100 / VIT, lease / 'runs/gpu-t1' / VIT)  # reused on the lease: as committed
-    _copy_run(H100_UNFINISHED / NIN_CIFAR, lease / 'runs/gpu-t1' / NIN_CIFAR)  # further than the committed copy
-    _copy_run(H100_UNFINISHED / NIN_MNIST, lease / 'runs/gpu-t1' / NIN_MNIST, up_to_epoch=40)  # less far
-    _copy_run(H100 / VIT, lease / 'runs/gpu-t1-seed1' / VIT, seed=1)  # a new finished group
-    # evaluated on the lease through its training augmentation (vitblocks eval --train-augment 3 --json)
+    unfinished copy only if it got further; a seed group lands in its own folder; each folder gets its table; the
+    state file's other members (the speed sweep) are not Table 1 runs and are left alone."""
+    job = tmp_path / 'job'
+    _copy_run(H100 / VIT, job / 'runs/gpu-t1' / VIT)  # reused in the job: as committed
+    _copy_run(H100_UNFINISHED / NIN_CIFAR, job / 'runs/gpu-t1' / NIN_CIFAR)  # further than the committed copy
+    _copy_run(H100_UNFINISHED / NIN_MNIST, job / 'runs/gpu-t1' / NIN_MNIST, up_to_epoch=40)  # less far
+    _copy_run(H100 / VIT, job / 'runs/gpu-t1-seed1' / VIT, seed=1)  # a new finished group
+    # evaluated in the job through its training augmentation (vitblocks eval --train-augment 3 --json)
     passes = [{'top1': v, 'top5': 99.0, 'loss': 1.0, 'num_images': 10000} for v in (61.5, 62.0, 62.5)]
-    (lease / 'runs/gpu-t1-seed1' / VIT / 'eval_train_augment.json').write_text(json.dumps(
+    (job / 'runs/gpu-t1-seed1' / VIT / 'eval_train_augment.json').write_text(json.dumps(
         {'results': {'cifar10 [test]': {'top1': 64.07}}, 'train_augment': {'passes': passes, 'top1_mean': 62.0,
                                                                               'top1_std': 0.5}}))
-    (lease / 'runs/gpu-t1-env.txt').write_text('NVIDIA H100 80GB HBM3, 580.159.04\ntorch 2.11.0 timm 1.0.29\n')
-    (lease / 'runs/gpu-t1-cudatests.txt').write_text('..s.\n===== 31 passed, 1 skipped, 59 deselected in 95.1s =====\n')
-    with tarfile.open(tmp_path / 'results.tgz', 'w:gz') as tar:
-        tar.add(lease / 'runs', arcname='runs')
+    (job / 'runs/gpu-t1-env.txt').write_text('NVIDIA H100 80GB HBM3, 580.159.04\ntorch 2.11.0 timm 1.0.29\n')
+    (job / 'runs/gpu-t1-cudatests.txt').write_text('..s.\n===== 31 passed, 1 skipped, 59 deselected in 95.1s =====\n')
+    (job / 'runs/gpu_speed/fp32-eager-b1').mkdir(parents=True)
+    (job / 'runs/gpu_speed/fp32-eager-b1/deit_tiny.json').write_text('[]')
+    with tarfile.open(tmp_path / 'gpu_job_state.tgz', 'w:gz') as tar:
+        tar.add(job / 'runs', arcname='runs')
 
     repo = tmp_path / 'repo'
     docs = repo / 'docs/results'
     _copy_run(H100 / VIT, docs / 'ninformer_table1_h100' / VIT)
     _copy_run(H100_UNFINISHED / NIN_CIFAR, docs / 'ninformer_table1_h100_unfinished' / NIN_CIFAR, up_to_epoch=30)
     _copy_run(H100_UNFINISHED / NIN_MNIST, docs / 'ninformer_table1_h100_unfinished' / NIN_MNIST)
-    assert 'not found' in _collect(repo, str(tmp_path / 'results.tgz')).stderr  # no .gpu_data yet
+    assert 'not found' in _collect(repo, str(tmp_path / 'gpu_job_state.tgz')).stderr  # no .gpu_data yet
     for ds in ('mnist', 'cifar10'):
         (repo / '.gpu_data' / ds).mkdir(parents=True)  # the configs name .gpu_data/<ds>; nothing is read from it
 
-    out = _collect(repo, str(tmp_path / 'results.tgz'))
+    out = _collect(repo, str(tmp_path / 'gpu_job_state.tgz'))
     assert out.returncode == 0, out.stderr
     assert 'CUDA tests: 31 passed, 1 skipped, 59 deselected in 95.1s (runs/gpu-t1-cudatests.txt)' in out.stdout
     assert f'{VIT}: finished, committed already' in out.stdout
@@ -85,11 +89,12 @@ def test_a_lease_archive_lands_where_the_next_lease_seeds_from(tmp_path):
     assert 'seed=1' in seed_table and '| ViT | 64.07 | 64.95 | 65.74 | -1.67 | 100.00 |' in seed_table
     assert (repo / 'runs/gpu-t1-seed1' / VIT / 'results.json').is_file()  # unpacked where the command reads it
     assert (seed1 / VIT / 'eval_train_augment.json').is_file()
+    assert not (repo / 'runs/gpu_speed').exists() and not (docs / 'gpu_speed').exists()
     row = f'| {VIT} | 64.07 | 62.00 | -2.07 | 61.50, 62.00, 62.50 |'
     assert row in seed_table and row in out.stdout and 'through the training augmentation' not in table  # none here
 
 
-def test_an_archive_that_is_no_lease_result_is_refused(tmp_path):
+def test_an_archive_that_is_no_job_state_is_refused(tmp_path):
     (tmp_path / '.gpu_data').mkdir()
     (tmp_path / 'bad.tgz').write_bytes(b'not a tar')
     out = _collect(tmp_path, 'bad.tgz')
