@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,8 @@ from torch.distributed.constants import default_pg_timeout
 
 __all__ = ['DistInfo', 'init_distributed', 'attempt_store', 'agree_on_attempt', 'all_reduce_sum', 'PendingSum',
            'all_reduce_sum_async', 'barrier', 'broadcast_object', 'gather_object', 'is_lost_peer',
-           'raise_on_every_rank', 'sync_batchnorm_stats', 'shutdown', 'launched_rank']
+           'raise_on_every_rank', 'sync_batchnorm_stats', 'batchnorm_stats', 'load_batchnorm_stats', 'shutdown',
+           'launched_rank']
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,20 @@ def sync_batchnorm_stats(model: torch.nn.Module, mode: str) -> None:
     has rank 0's."""
     if mode != 'none' and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         distribute_bn(model, dist.get_world_size(), reduce=mode == 'reduce')
+
+
+def batchnorm_stats(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """A CPU copy of the buffers ``sync_batchnorm_stats`` changes (the running means and variances)."""
+    return {name: buf.detach().cpu().clone() for name, buf in model.named_buffers()
+            if 'running_mean' in name or 'running_var' in name}
+
+
+def load_batchnorm_stats(model: torch.nn.Module, stats: Dict[str, torch.Tensor]) -> None:
+    """Put back what ``batchnorm_stats`` copied."""
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in stats.items():
+            buffers[name].copy_(value)
 
 
 def shutdown() -> None:
