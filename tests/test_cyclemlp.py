@@ -8,7 +8,7 @@ from torchvision.ops import deform_conv2d
 import vitblocks
 from _mlp_backbone_checks import (agrees, features_only_maps, forward_backward_every_parameter,
                                   fx_and_torchscript_match_eager, swap_counts)
-from vitblocks.models.cyclemlp import CycleFC, CycleMLPNet, cycle_offsets, split_attention
+from vitblocks.models.backbones.cyclemlp import CycleFC, CycleMLPNet, cycle_offsets, split_attention
 from vitblocks.profile import count_macs, count_params
 
 # (name, depths, widths, MLP ratios, published params M, published GMACs): the authors' model zoo table

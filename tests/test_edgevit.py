@@ -6,7 +6,7 @@ from torch import nn
 
 import vitblocks
 from vitblocks.layers import AFBO
-from vitblocks.models.edgevit import EdgeViT, SparseGlobalAttention
+from vitblocks.models.backbones.edgevit import EdgeViT, SparseGlobalAttention
 from vitblocks.papers import load_paper
 from vitblocks.profile import count_macs, count_params
 

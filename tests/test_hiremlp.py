@@ -10,7 +10,7 @@ import vitblocks
 from _helpers import randomize_batchnorm_
 from _mlp_backbone_checks import (agrees, features_only_maps, forward_backward_every_parameter,
                                   fx_and_torchscript_match_eager, swap_counts)
-from vitblocks.models.hiremlp import HireMLPNet, RegionRearrangedMLP
+from vitblocks.models.backbones.hiremlp import HireMLPNet, RegionRearrangedMLP
 from vitblocks.profile import count_macs, count_params
 
 REGIONS = (4, 3, 3, 2)

@@ -7,7 +7,7 @@ from torch import nn
 
 import vitblocks
 from vitblocks.layers import IFFN
-from vitblocks.models.lvt import LVT, AtrousDepthwiseConv, ConvSelfAttention, RecursiveAtrousSelfAttention
+from vitblocks.models.backbones.lvt import LVT, AtrousDepthwiseConv, ConvSelfAttention, RecursiveAtrousSelfAttention
 from vitblocks.profile import count_macs, count_params
 
 LVT_COUNTER = dict(include_attention=False, include_norms=True)  # IFFN Table 1's LVT rows

@@ -7,7 +7,7 @@ from torch import nn
 import vitblocks
 from vitblocks.deploy import reparameterize
 from vitblocks.layers import RePaFFN
-from vitblocks.models.lvvit import ConstantScale, LVViT
+from vitblocks.models.backbones.lvvit import ConstantScale, LVViT
 from vitblocks.profile import count_macs, count_params
 
 TABLE1_COUNTER = dict(include_attention=False, include_norms=True, norm_macs_per_element=5)

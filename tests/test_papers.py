@@ -54,7 +54,7 @@ def test_iffn_counts_norms_and_says_why():
 
 
 def test_every_iffn_row_is_buildable():
-    assert all(r.buildable for _, r in _rows())  # LVT: vitblocks.models.lvt
+    assert all(r.buildable for _, r in _rows())  # LVT: vitblocks.models.backbones.lvt
 
 
 def test_accuracy_only_tables():

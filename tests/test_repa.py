@@ -29,7 +29,7 @@ _SMALL = {  # base-name prefix -> (timm kwargs, input size)
     'deit': (dict(depth=2, img_size=32), 32),
     'vit': (dict(depth=2, img_size=32), 32),
     'swin': (dict(depths=(2, 1, 1, 1), img_size=64), 64),  # block 2 of stage 1 has shifted windows
-    'lvvit': (dict(depth=2, img_size=32), 32),  # vitblocks.models.lvvit
+    'lvvit': (dict(depth=2, img_size=32), 32),  # vitblocks.models.backbones.lvvit
 }
 # timm's PoolFormer / Mixer entry points fix their depth, so these are built from the entry point's
 # own kwargs (captured with the family builder stubbed out) with fewer blocks
@@ -386,7 +386,7 @@ class _OriginalFFNHalf(nn.Module):
 @pytest.mark.parametrize('name,kwargs,size,expected', _FAMILIES)
 def test_rewired_blocks_keep_timms_token_mixer_half(name, kwargs, size, expected):
     """Rewire each block with a 'unit' that is the block's own FFN half: outputs must not change."""
-    from vitblocks.models.residual_surgery import _RECIPES
+    from vitblocks.models.slots import residual_recipe
     model = timm.create_model(name, **kwargs).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -396,7 +396,7 @@ def test_rewired_blocks_keep_timms_token_mixer_half(name, kwargs, size, expected
         ref = model.forward_features(x)
     n = 0
     for block in list(model.modules()):
-        recipe = _RECIPES.get(type(block))
+        recipe = residual_recipe(type(block))
         if recipe is None:
             continue
         def get(attr):

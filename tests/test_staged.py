@@ -1,4 +1,4 @@
-"""The timm feature interface the staged backbones share (models/staged.py::StagedBackbone): every
+"""The timm feature interface the staged backbones share (models/backbones/staged.py::StagedBackbone): every
 option of forward_intermediates and prune_intermediate_layers, on small builds of each family."""
 import copy
 
@@ -7,7 +7,7 @@ import timm
 import torch
 
 import vitblocks  # noqa: F401  (registers the backbones)
-from vitblocks.models.staged import StagedBackbone
+from vitblocks.models.backbones.staged import StagedBackbone
 
 SMALL = {  # name -> kwargs: every family's code paths, fast
     'lvt': dict(depths=(1, 1, 1, 1)),
@@ -172,8 +172,8 @@ def test_group_matcher_coarse_is_one_group_per_stage(name):
 @pytest.mark.parametrize('name, conv', [('lvt', 'fan_out'), ('pyramid_visionllama_s', 'fan_out'), ('edgevit_xxs', None),
                                         ('cyclemlp_b1', None), ('hiremlp_tiny', 'trunc_normal')])
 def test_each_family_starts_from_its_authors_init(name, conv):
-    """Linears trunc-normal (std 0.02) with zero biases; convs as each family's authors (models/staged.py)."""
-    from vitblocks.models.staged import authors_init
+    """Linears trunc-normal (std 0.02) with zero biases; convs as each family's authors (models/backbones/staged.py)."""
+    from vitblocks.models.backbones.staged import authors_init
     assert type(_build(name))._init_weights.keywords == {'conv': conv}
     torch.manual_seed(0)
     linear, dw = torch.nn.Linear(256, 512), torch.nn.Conv2d(64, 64, 7, groups=64)

@@ -14,7 +14,7 @@ FAMILIES = [  # (timm name, kwargs, expected slots)
     ('swin_tiny_patch4_window7_224', {}, 12),
     ('poolformer_s12', {}, 12),
     ('mixer_s16_224', {}, 8),
-    # vitblocks.models.lvvit, a timm VisionTransformer subclass
+    # vitblocks.models.backbones.lvvit, a timm VisionTransformer subclass
     ('lvvit_s', dict(img_size=32, embed_dim=64, num_heads=2), 16),
     ('ninformer_baseline_mixer_patch4_32', {}, 4),  # a VisionTransformer of timm MixerBlocks (mlp_channels)
 ]

@@ -7,7 +7,7 @@ from timm.layers.pos_embed_sincos import apply_rot_embed
 
 import vitblocks
 from vitblocks.layers import AFBO
-from vitblocks.models.vision_llama import LocallyGroupedRoPEAttention, PyramidVisionLLaMA, rope_2d
+from vitblocks.models.backbones.vision_llama import LocallyGroupedRoPEAttention, PyramidVisionLLaMA, rope_2d
 from vitblocks.profile import count_macs, count_params
 
 CONFIGS = {  # widths, depths of the authors' pllama_wols_{small,base,large}_patch16

@@ -8,8 +8,9 @@ Vision backbones hand their channel mixers tokens in one of two layouts:
 
 A layer that mixes spatially (depthwise convs, pooling, spatial attention) must know the
 grid ``(H, W)`` and how many prefix tokens to leave alone. That knowledge lives in a
-:class:`TokenLayout`, which the surgery code (``vitblocks.models.surgery``) fills in and keeps
-up to date when the input resolution changes. The grid is never guessed from ``sqrt(N)``.
+:class:`TokenLayout`, which the surgery code (``vitblocks.models.surgery``, from the slots each
+backbone declares in ``vitblocks.models.slots``) fills in and keeps up to date when the input
+resolution changes. The grid is never guessed from ``sqrt(N)``.
 """
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -35,7 +36,7 @@ class TokenLayout(nn.Module):
     Why a module (stateless: no parameters or buffers, nothing in the state dict): TorchScript
     reads typed attributes of submodules, so a layer that holds its layout as a submodule scripts
     as it is. A scripted model keeps the grid its layouts had when it was scripted (the grid hooks
-    of ``vitblocks.models.surgery`` are eager-only), except where the input carries the grid:
+    of ``vitblocks.models.timm_slots`` are eager-only), except where the input carries the grid:
     maps, Swin blocks, and PVTv2's ``feat_size`` argument.
     """
     grid_size: Optional[Tuple[int, int]]

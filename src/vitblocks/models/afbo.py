@@ -25,7 +25,9 @@ A model's own G1/G2 apply only where the chosen maps read them: ``block_cfg={'va
 on an AFBO model drops its G2 (no OCCM branch), while an explicit ``occm_groups`` with no OCCM
 branch is an error (:class:`~vitblocks.layers.AFBO`).
 
-LVT (Yang et al., 2022) is not in timm: ``afbo_lvt`` (G2 = 2) is registered in ``models/lvt.py``.
+LVT (Yang et al., 2022) is not in timm: ``afbo_lvt`` (G1 = 2, G2 = 2: 3 divides no LVT width) is vitblocks' LVT
+(``models/backbones/lvt.py``) with AFBO in its stages and AFBO's channel maps only in its class-attention
+blocks (one class token, no grid), which Table 2's 5.2 M needs.
 All Table 2 and Table 16 backbones are built (the ones timm lacks by vitblocks' own backbone files).
 
 * CycleMLP-B1, Hire-MLP-Tiny (vitblocks' ``cyclemlp_b1``, ``hiremlp_tiny``): G1 = 4, G2 = 4. A.1's
@@ -34,11 +36,11 @@ All Table 2 and Table 16 backbones are built (the ones timm lacks by vitblocks' 
 
 Backbones vitblocks adds to timm (``AFBO_OWN_BACKBONES``, at the end of this file):
 
-* EdgeViT-XXS (Table 16, ``models/edgevit.py``): G1 = 2, G2 = 4 (A.1's setting for the backbones it
+* EdgeViT-XXS (Table 16, ``models/backbones/edgevit.py``): G1 = 2, G2 = 4 (A.1's setting for the backbones it
   does not name), both FFNs of every LGL block replaced (5 channels-first FFNs of the local
   aggregations, 7 token FFNs): 4.207 M, Table 16's 4.2 M. G2 = 3 gives 4.106 M; replacing only
   the token FFNs 4.161 M.
-* Pyramid VisionLLaMA-S/B/L (Table 2, ``models/vision_llama.py``): G1 = 2, G2 = 4 (3 does not divide
+* Pyramid VisionLLaMA-S/B/L (Table 2, ``models/backbones/vision_llama.py``): G1 = 2, G2 = 4 (3 does not divide
   the 64-channel first stage of S), and M = 4: AFBO takes the block's nominal 4d expansion, not the
   SwiGLU's 2/3-scaled hidden width (with that width AFBO would remove 5.0 / 10.0 / 19.7 M instead of
   the published +0.1 / +0.4 / +0.5 M). Ours: -1.47 / +0.72 / -4.54 M against the authors' backbones.
@@ -47,6 +49,8 @@ from functools import partial
 
 from ..layers.afbo import AFBO  # registers the AFBO FFNs
 from ..layers import ffn_counterparts as _counterparts  # noqa: F401  (registers GLU, SwiGLU, ConvGLU, ...)
+from . import backbones  # noqa: F401  (registers the bases timm lacks: cyclemlp_b1, edgevit_xxs, lvt, ...)
+from .backbones.lvt import swap_class_block_ffns
 from .registry import VariantSpec, register_variant
 from .surgery import swap_ffn
 
@@ -68,7 +72,7 @@ AFBO_TABLE2_BASES = (
     ('pvt_v2_b1', 2, 4),
     ('gcvit_xxtiny', 2, 4),
     ('gcvit_xtiny', 2, 4),
-    ('cyclemlp_b1', 4, 4),  # vitblocks' backbones (models/cyclemlp.py, hiremlp.py), registered via .surgery
+    ('cyclemlp_b1', 4, 4),  # vitblocks' backbones (models/backbones/cyclemlp.py, hiremlp.py)
     ('hiremlp_tiny', 4, 4),
 )
 
@@ -108,3 +112,19 @@ for _base, _cfg, _description in AFBO_OWN_BACKBONES:
     register_variant(VariantSpec(
         name=f'afbo_{_base}', method='afbo', base=_base, build=partial(_swap_afbo, model_groups=_groups),
         cfg=dict(_cfg), description=_description))
+
+
+# LVT: AFBO in the stages, its channel maps only in the class-attention blocks (see the module docstring)
+_AFBO_LVT_GROUPS = dict(gccm_groups=2, occm_groups=2)  # G1, G2 of afbo_lvt (AFBO Table 2)
+
+
+def _swap_afbo_lvt(model, cfg):
+    swap_ffn(model, 'afbo', **drop_unread_groups(cfg, _AFBO_LVT_GROUPS))
+    class_cfg = {**cfg, 'order': 'cm', 'spatial': None}
+    swap_class_block_ffns(model, 'afbo', **drop_unread_groups(class_cfg, _AFBO_LVT_GROUPS))
+
+
+register_variant(VariantSpec(
+    name='afbo_lvt', method='afbo', base='lvt', build=_swap_afbo_lvt, cfg=dict(_AFBO_LVT_GROUPS),
+    description='AFBO Table 2 LVT + AFBO (G1=2, G2=2: 3 divides no LVT width; class-attention blocks: '
+                'channel mapping only)'))

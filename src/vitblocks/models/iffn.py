@@ -1,7 +1,9 @@
 """IFFN models: every IFFN Table 1 row whose backbone timm has.
 
 The '*' rows of Table 1 (DeiT-B, Swin-B, PoolFormer-M48) use a 5x5 depthwise kernel. LVT (the
-"Portable ViT" rows) is not in timm: ``iffn_lvt`` is registered in ``models/lvt.py``.
+"Portable ViT" rows) is not in timm: ``iffn_lvt`` is vitblocks' LVT (``models/backbones/lvt.py``) with
+IFFN* (5x5) in its stages and IFFN's channel part in its class-attention blocks (they see one class
+token and no grid), which Table 1's 4.98 M needs.
 
 The DeiT models are the authors' DeiT (AMD-AIG-AIMA/AMD_IFFN, ``vision_transformer.py``), so their
 released checkpoints load (``timm.create_model(name, checkpoint_path=...)``, see
@@ -15,6 +17,7 @@ released checkpoints load (``timm.create_model(name, checkpoint_path=...)``, see
 """
 from torch import nn
 
+from .backbones.lvt import swap_class_block_ffns
 from .convert_authors import accept_authors_checkpoints
 from .registry import VariantSpec, register_variant
 from .surgery import swap_ffn
@@ -55,3 +58,14 @@ for _base, _kernel, _kwargs in IFFN_TABLE1_BASES:
         cfg=dict(kernel_size=_kernel), base_kwargs=dict(_kwargs),
         description=f'IFFN Table 1 ({_kernel}x{_kernel} depthwise)'
                     + ("; the authors' DeiT: no class token, LayerNorm on every token then average" if _deit else '')))
+
+
+def _swap_iffn_lvt(model, cfg):
+    """IFFN in LVT's stages, and its channel part only in the class-attention blocks (no grid there)."""
+    swap_ffn(model, 'iffn', **cfg)
+    swap_class_block_ffns(model, 'iffn', **{**cfg, 'spatial_part': False})
+
+
+register_variant(VariantSpec(
+    name='iffn_lvt', method='iffn', base='lvt', build=_swap_iffn_lvt, cfg=dict(kernel_size=5),
+    description='IFFN Table 1 LVT + IFFN* (5x5 depthwise; class-attention blocks: channel part only)'))

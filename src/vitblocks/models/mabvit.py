@@ -49,6 +49,7 @@ from torch import nn
 
 from ..layers.value_attention import ParallelBlock, ValueActivationAttention
 from .registry import VariantSpec, register_variant
+from .slots import find_slots, slot_spec, supported_families
 
 __all__ = ['swap_value_attention', 'make_parallel', 'add_pre_logits', 'PreLogitsVisionTransformer',
            'MABVIT_ARCHS', 'MABVIT_VARIANTS']
@@ -81,10 +82,14 @@ def swap_value_attention(model: nn.Module, value_act: Optional[str] = 'swiglu',
     Returns:
         The number of attention modules replaced (ValueError if none).
     """
-    _require_vit(model, 'swap_value_attention')
+    if slot_spec(type(model), 'attention') is None:
+        raise ValueError(f'swap_value_attention supports timm VisionTransformer models (ViT, DeiT), got '
+                         f'{type(model).__name__} (attention slots are declared for '
+                         f'{", ".join(supported_families("attention"))})')
     count = 0
-    for i, blk in enumerate(model.blocks):
-        old = getattr(blk, 'attn', None)
+    slots = find_slots(model, 'attention')
+    for i, (blk, attr, _, _) in enumerate(slots):
+        old = getattr(blk, attr, None)
         if not isinstance(old, (Attention, ValueActivationAttention)) or (include is not None and not include(i)):
             continue
         out_norm, out_gate = getattr(old, 'norm', nn.Identity()), getattr(old, 'gate', None)  # newer timm options
@@ -97,7 +102,7 @@ def swap_value_attention(model: nn.Module, value_act: Optional[str] = 'swiglu',
             proj_bias=old.proj.bias is not None, gated=out_gate is not None, attn_drop=old.attn_drop.p,
             proj_drop=old.proj_drop.p, norm_layer=_norm_like(norm_source) if qk_norm or scale_norm else None,
             value_act=value_act, device=ref.device, dtype=ref.dtype)
-        blk.attn = new.train(old.training)
+        setattr(blk, attr, new.train(old.training))
         count += 1
     if count == 0:
         raise ValueError(f'swap_value_attention found no timm Attention in {type(model).__name__}.blocks'

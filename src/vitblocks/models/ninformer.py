@@ -53,6 +53,7 @@ from torch import nn
 
 from ..layers.gating import MixerGatingUnit, check_mlp_widths
 from .registry import VariantSpec, register_variant
+from .slots import find_slots, slot_spec, supported_families
 from .surgery import swap_ffn
 
 __all__ = ['swap_gating_unit', 'reset_to_torch_init', 'mixer_blocks', 'MaskFreeVisionTransformer', 'NINFORMER_MODELS',
@@ -75,22 +76,23 @@ def swap_gating_unit(model: nn.Module, token_mlp_dim: int = 512, channel_mlp_dim
     ``proj_drop_rate`` already has outer-FFN dropout; a different nonzero ``drop`` is an error.
     Returns the number of blocks changed.
     """
-    if not isinstance(model, VisionTransformer):
-        raise ValueError(f'swap_gating_unit supports timm VisionTransformer models, got {type(model).__name__}')
-    if model.dynamic_img_size:
-        raise ValueError('the gating unit mixes a fixed number of tokens; build the model with '
-                         'dynamic_img_size=False (fixed img_size)')
-    num_tokens = model.patch_embed.num_patches + model.num_prefix_tokens
-    ref = model.patch_embed.proj.weight
-    for blk in model.blocks:
-        unit = MixerGatingUnit(model.embed_dim, num_tokens, token_mlp_dim, channel_mlp_dim, drop=drop,
+    if slot_spec(type(model), 'gating') is None:
+        raise ValueError(f'swap_gating_unit supports timm VisionTransformer models, got {type(model).__name__} '
+                         f'(gating slots are declared for {", ".join(supported_families("gating"))})')
+    slots = find_slots(model, 'gating')  # the layout is the fixed token grid (an error for a dynamic size)
+    for blk, attr, _, layout in slots:
+        old = getattr(blk, attr)
+        dim = old.qkv.in_features if hasattr(old, 'qkv') else old.proj.in_features  # attention or a gating unit
+        num_tokens = layout.grid_size[0] * layout.grid_size[1] + layout.num_prefix_tokens
+        ref = old.proj.weight
+        unit = MixerGatingUnit(dim, num_tokens, token_mlp_dim, channel_mlp_dim, drop=drop,
                                device=ref.device, dtype=ref.dtype)
-        blk.attn = unit.train(blk.training)
+        setattr(blk, attr, unit.train(blk.training))
         if drop:
             _set_ffn_dropout(blk.mlp, drop)
         if shared_norm:
             blk.norm2 = blk.norm1  # one LayerNorm instance before Eq. 9 and Eq. 10
-    return len(model.blocks)
+    return len(slots)
 
 
 def _set_ffn_dropout(mlp: nn.Module, p: float) -> None:

@@ -9,7 +9,7 @@ layer-scale (PoolFormer), drop-path and the shortcut. ``timm.utils.reparameteriz
 * ``repa_vit_huge_patch16_224``: the paper's ViT-H is ViT-H/16 (1280 wide, 32 blocks, 16 heads,
   patch 16, 224 px). timm has only ViT-H/14 at 224 (``vit_huge_patch14_224``), so this model is
   that timm entry built with ``patch_size=16``; the name states the architecture that is built.
-* ``repa_lvvit_s``, ``repa_lvvit_m``: LV-ViT (``vitblocks.models.lvvit``; not in timm) with
+* ``repa_lvvit_s``, ``repa_lvvit_m``: LV-ViT (``vitblocks.models.backbones.lvvit``; not in timm) with
   idle ratio 2/3, not 0.75. The paper's default is theta = 1 - mu / rho with mu = 1 (Sec. 4.1),
   and LV-ViT's MLP ratio rho is 3; the authors' LV-ViT code activates exactly C of the 3C hidden
   channels, and only K = C reproduces Table 1's folded sizes (19.1 M / 4.7 GMACs for S; 0.75
@@ -32,6 +32,7 @@ so fused checkpoints load), and the other :class:`~vitblocks.layers.RePaFFN` arg
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from ..layers.repa import repa_ffn
+from . import backbones  # noqa: F401  (registers the LV-ViT bases with timm)
 from .convert_authors import accept_authors_checkpoints
 from .registry import VariantSpec, register_variant
 from .residual_surgery import list_residual_ffns, register_residual_ffn, swap_residual_ffn

@@ -2,104 +2,42 @@
 shortcut (RePa folds the shortcut into its merged matrix, Eq. 6, so it must own it).
 
 A timm block computes ``x = x + drop_path(ls(mlp(norm(x))))``. Swapping in a residual unit
-changes that second half to ``x = unit(x)``: for every supported timm block class there is a
-static subclass below that overrides only ``forward`` (the token-mixer half is timm's, line for
-line), and the surgery
+changes that second half to ``x = unit(x)``: every supported block class declares a
+``ResidualRecipe`` (the slot protocol of ``models/slots.py``, kind ``'residual_ffn'``) naming a static
+subclass that overrides only ``forward`` (``models/residual_blocks.py``: the token-mixer half is timm's,
+line for line), and the surgery
 
 1. builds the unit from the block's MLP dims, moving the block's layer-scale init value,
    residual scale and drop-path rate into it,
 2. replaces the block's pre-FFN norm / layer-scale / drop-path with ``nn.Identity``,
 3. sets ``block.__class__`` to the subclass (module-level classes, so models pickle and copy).
 
-| timm block (family)             | unit slot        | moved into the unit (block keeps Identity)      |
-| ------------------------------- | ---------------- | ----------------------------------------------- |
-| ``Block`` (ViT, DeiT)           | ``mlp``          | norm2, ls2, drop_path2; tokens (B, N, C)        |
-| ``SwinTransformerBlock``        | ``mlp``          | norm2, drop_path2; map (B, H, W, C)             |
-| ``MetaFormerBlock`` (PoolFormer) | ``mlp``         | norm2, layer_scale2, res_scale2, drop_path2     |
-| ``MixerBlock`` (MlpMixer)       | ``mlp_channels`` | norm2 (drop_path is shared: only its rate)      |
-| ``LVViTBlock`` (LV-ViT)         | ``mlp``          | norm2, drop_path2, the constant 1/skip_lam (ls2) |
+| block (family)                   | unit slot        | moved into the unit (block keeps Identity)       |
+| -------------------------------- | ---------------- | ------------------------------------------------ |
+| ``Block`` (ViT, DeiT)            | ``mlp``          | norm2, ls2, drop_path2; tokens (B, N, C)         |
+| ``SwinTransformerBlock``         | ``mlp``          | norm2, drop_path2; map (B, H, W, C)              |
+| ``MetaFormerBlock`` (PoolFormer) | ``mlp``          | norm2, layer_scale2, res_scale2, drop_path2      |
+| ``MixerBlock`` (MlpMixer)        | ``mlp_channels`` | norm2 (drop_path is shared: only its rate)       |
+| ``LVViTBlock`` (LV-ViT)          | ``mlp``          | norm2, drop_path2, the constant 1/skip_lam (ls2) |
 
-LV-ViT's branch scale is a constant, not a learned layer-scale: it moves into the unit as
-``branch_scale`` (RePa folds it into fc2), and the block's ``ls2`` becomes ``nn.Identity``.
+The timm blocks declare their recipes in ``models/timm_slots.py``, LV-ViT's in ``models/backbones/lvvit.py``.
+Recipes match a block's exact class (a subclass may wire its forward differently), wherever the block
+sits in the model. LV-ViT's branch scale is a constant, not a learned layer-scale: it moves into the unit
+as ``branch_scale`` (RePa folds it into fc2), and the block's ``ls2`` becomes ``nn.Identity``.
 """
 import difflib
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
-from timm.models.metaformer import MetaFormerBlock
-from timm.models.mlp_mixer import MixerBlock
-from timm.models.swin_transformer import SwinTransformerBlock
-from timm.models.vision_transformer import Block
 from torch import nn
 
-from .lvvit import LVViTBlock
+from .residual_blocks import (ResidualFFNMetaFormerBlock, ResidualFFNMixerBlock, ResidualFFNSwinBlock,
+                              ResidualFFNViTBlock)
+from .slots import ResidualRecipe, find_slots, residual_recipe, supported_families
 from .surgery import SWAPPED_ATTR, _mlp_dims, check_not_swapped, hidden_width
 
 __all__ = ['swap_residual_ffn', 'register_residual_ffn', 'list_residual_ffns', 'RESIDUAL_FFN_REGISTRY',
            'ResidualFFNViTBlock', 'ResidualFFNSwinBlock', 'ResidualFFNMetaFormerBlock', 'ResidualFFNMixerBlock']
-
-
-# --- the rewired blocks: forward = timm's token-mixer half, then the residual unit --------------
-
-class ResidualFFNViTBlock(Block):
-    """timm ``Block`` whose ``mlp`` is a residual unit (it owns norm2, ls2, drop_path2, shortcut)."""
-
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False):
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)))
-        return self.mlp(x)
-
-
-class ResidualFFNSwinBlock(SwinTransformerBlock):
-    """timm ``SwinTransformerBlock`` whose ``mlp`` is a residual unit (owns norm2, drop_path2)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self._attn(self.norm1(x)))  # (B, H, W, C)
-        return self.mlp(x)  # point-wise unit: the (B, H, W, C) map needs no reshape to (B, H*W, C)
-
-
-class ResidualFFNMetaFormerBlock(MetaFormerBlock):
-    """timm ``MetaFormerBlock`` whose ``mlp`` is a residual unit (owns norm2, drop_path2,
-    layer_scale2 and res_scale2)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.res_scale1(x) + self.layer_scale1(self.drop_path1(self.token_mixer(self.norm1(x))))
-        return self.mlp(x)
-
-
-class ResidualFFNMixerBlock(MixerBlock):
-    """timm ``MixerBlock`` whose ``mlp_channels`` is a residual unit (owns norm2 and the shortcut;
-    ``drop_path`` stays, the token-mixing half still uses it)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.mlp_tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2))  # (B, N, C)
-        return self.mlp_channels(x)
-
-
-@dataclass(frozen=True)
-class _BlockRecipe:
-    rewired: type  # the subclass above
-    unit: str  # attribute holding the FFN
-    norm: str  # pre-FFN norm, replaced by the unit's own
-    drop_path: str
-    layer_scale: Optional[str] = None
-    res_scale: Optional[str] = None
-    drop_path_shared: bool = False  # Mixer: one DropPath serves both halves
-    constant_scale: Optional[str] = None  # a fixed branch scale (LV-ViT ls2), passed as branch_scale=
-
-
-_RECIPES: Dict[type, _BlockRecipe] = {
-    Block: _BlockRecipe(ResidualFFNViTBlock, 'mlp', 'norm2', 'drop_path2', layer_scale='ls2'),
-    SwinTransformerBlock: _BlockRecipe(ResidualFFNSwinBlock, 'mlp', 'norm2', 'drop_path2'),
-    MetaFormerBlock: _BlockRecipe(ResidualFFNMetaFormerBlock, 'mlp', 'norm2', 'drop_path2',
-                                  layer_scale='layer_scale2', res_scale='res_scale2'),
-    MixerBlock: _BlockRecipe(ResidualFFNMixerBlock, 'mlp_channels', 'norm2', 'drop_path', drop_path_shared=True),
-    # LV-ViT's block is a timm Block with constant branch scales: once rewired it runs timm's
-    # token-mixer half (its ls1 still divides by skip_lam) and the unit.
-    LVViTBlock: _BlockRecipe(ResidualFFNViTBlock, 'mlp', 'norm2', 'drop_path2', constant_scale='ls2'),
-}
-SUPPORTED_BLOCKS = tuple(cls.__name__ for cls in _RECIPES)
-_REWIRED = frozenset(r.rewired for r in _RECIPES.values())
 
 
 # --- registry of residual units ---------------------------------------------------------------
@@ -148,17 +86,12 @@ def _drop_rate(module: nn.Module) -> float:
     return float(getattr(module, 'drop_prob', 0.) or 0.)
 
 
-def find_residual_slots(model: nn.Module) -> List[Tuple[str, nn.Module, _BlockRecipe]]:
-    """``(qualified name, block, recipe)`` for every supported timm block of ``model``."""
+def find_residual_slots(model: nn.Module) -> List[Tuple[str, nn.Module, ResidualRecipe]]:
+    """``(qualified name, block, recipe)`` for every block of ``model`` that declares a residual recipe."""
     slots = []
-    for qualname, module in model.named_modules():
-        recipe = _RECIPES.get(type(module))  # exact class: a subclass may wire its forward differently
-        if recipe is not None:
-            slots.append((qualname, module, recipe))
-        elif type(module) in _REWIRED:
-            unit = type(getattr(module, 'mlp', getattr(module, 'mlp_channels', None))).__name__
-            raise ValueError(f'{qualname or type(model).__name__} already holds a residual FFN ({unit}); '
-                             'swap into a freshly built timm model')
+    for slot in find_slots(model, 'residual_ffn'):
+        block = slot.parent
+        slots.append((slot.qualname.rpartition('.')[0], block, residual_recipe(type(block))))
     return slots
 
 
@@ -190,7 +123,7 @@ def swap_residual_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float]
     slots = find_residual_slots(model)
     if not slots:
         raise ValueError(f'swap_residual_ffn found no supported block in {type(model).__name__}; supported timm '
-                         f'blocks: {", ".join(SUPPORTED_BLOCKS)}')
+                         f'blocks: {", ".join(supported_families("residual_ffn"))}')
     selected = [s for s in slots if include is None or include(s[0])]
     if not selected:
         raise ValueError(f'swap_residual_ffn: include= selected none of the {len(slots)} blocks of '

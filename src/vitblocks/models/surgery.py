@@ -1,151 +1,53 @@
-"""Module surgery: put a registered FFN into the channel-mixer slots of timm backbones.
+"""Module surgery: put a registered FFN into the channel-mixer slots of any backbone that declares them.
 
-This file holds the only backbone knowledge in vitblocks: for each supported timm family,
-where its channel MLPs are, what layout their input has, and how the 2-D grid is tracked
-when the input resolution changes.
+The surgery knows no backbone: every backbone declares its slots through the slot protocol
+(``models/slots.py``: ``register_slots(model_class, ffn=finder, ...)``) and :func:`find_ffn_slots` asks
+that one registry. Where the declarations are:
 
-| family (timm class)           | slot                      | layout seen by the FFN                      |
-| ----------------------------- | ------------------------- | ------------------------------------------- |
-| VisionTransformer (ViT, DeiT, | ``blocks[i].mlp``         | tokens ``(B, P + H*W, C)``, P prefix tokens |
-| distilled DeiT, reg tokens)   | (``mlp_channels`` of a    | (grid from the patch embedding)             |
-|                               | ``MixerBlock``)           |                                             |
-| SwinTransformer               | ``layers[s].blocks[i].mlp`` | tokens ``(B, H*W, C)`` (grid = block input) |
-| MetaFormer (PoolFormer)       | ``stages[s].blocks[i].mlp`` | channels-first ``(B, C, H, W)``           |
-|                               |                           | (CAFormer's attention stages: tokens        |
-|                               |                           | ``(B, H*W, C)``, grid from the stage's      |
-|                               |                           | downsampling)                               |
-| MlpMixer                      | ``blocks[i].mlp_channels``  | tokens ``(B, H*W, C)``; token MLPs untouched |
-| PyramidVisionTransformerV2    | ``stages[s].blocks[i].mlp`` | tokens ``(B, H*W, C)``; grid = the block's   |
-| (PVTv2)                       |                           | ``feat_size`` argument, read every forward  |
-| GlobalContextVit (GC ViT)     | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
-| LVT (``vitblocks.models.lvt``) | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` (carries its grid) |
-| CycleMLPNet (``models.cyclemlp``) | ``stages[s].blocks[i].mlp`` | channels-last ``(B, H, W, C)`` |
-| HireMLPNet (``models.hiremlp``) | ``stages[s].blocks[i].mlp`` | channels-first ``(B, C, H, W)`` |
-| EdgeViT (``vitblocks.models.edgevit``) | ``stages[s].blocks[i].local_agg.mlp`` | channels-first ``(B, C, H, W)`` |
-|                               | ``stages[s].blocks[i].global_attn.mlp`` | channels-last ``(B, H, W, C)`` |
-| PyramidVisionLLaMA (``models.vision_llama``) | ``stages[s].blocks[i].mlp`` (SwiGLU) | channels-last ``(B, H, W, C)`` |
+| backbone (model class)                       | declared in                   | ``'ffn'`` slots, layout          |
+| -------------------------------------------- | ----------------------------- | -------------------------------- |
+| timm VisionTransformer, SwinTransformer,     | ``models/timm_slots.py``      | ``blocks[i].mlp`` and the like;  |
+| MetaFormer, MlpMixer, PVTv2, GlobalContextVit | (all timm families, one file) | the table in that file           |
+| LVViT (LV-ViT, a timm VisionTransformer)     | inherits VisionTransformer's  | ``blocks[i].mlp``, tokens        |
+| LVT                                          | ``backbones/lvt.py``          | ``stages[s].blocks[i].mlp``, NHWC |
+| CycleMLPNet                                  | ``backbones/cyclemlp.py``     | ``stages[s].blocks[i].mlp``, NHWC |
+| HireMLPNet                                   | ``backbones/hiremlp.py``      | ``stages[s].blocks[i].mlp``, NCHW |
+| EdgeViT                                      | ``backbones/edgevit.py``      | ``...local_agg.mlp`` NCHW,        |
+|                                              |                               | ``...global_attn.mlp`` NHWC       |
+| PyramidVisionLLaMA                           | ``backbones/vision_llama.py`` | ``stages[s].blocks[i].mlp``, NHWC |
 
-PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. The grid-aware FFNs (those with a ``TokenLayout``)
-take that argument as timm's ``MlpWithDepthwiseConv`` does and set their layout from it on every call
-(eager, torch.fx and TorchScript alike, so a model traced before its first forward has its grid); an
-FFN without a ``feat_size`` argument gets a forward pre-hook that drops it (eager only).
+(NHWC: channels-last maps ``(B, H, W, C)`` that carry their grid; NCHW: channels-first ``(B, C, H, W)``.)
+``SUPPORTED_FAMILIES`` lists the model classes that declare ``'ffn'`` slots (read from the registry).
 
-The grid hooks are eager-only (``torch.jit.is_scripting()`` returns early, timm's pattern): a scripted
-ViT/Mixer/Swin keeps the grid its layouts had when it was scripted, the size its fixed-size timm
-config declares, and ``check_grid`` names any other size.
+The new FFN is called as the one it replaces: PVTv2 blocks call their MLP as ``mlp(x, feat_size)``. The
+grid-aware FFNs (those with a ``TokenLayout``) take that argument as timm's ``MlpWithDepthwiseConv`` does
+and set their layout from it on every call (eager, torch.fx and TorchScript alike, so a model traced before
+its first forward has its grid); an FFN without a ``feat_size`` argument that replaces one with it gets a
+forward pre-hook that drops it (eager only).
 """
 import inspect
 from typing import Callable, List, Optional, Tuple
 
-import torch
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-from timm.models.gcvit import GlobalContextVit
-from timm.models.metaformer import MetaFormer
-from timm.models.mlp_mixer import MixerBlock, MlpMixer
-from timm.models.pvt_v2 import Block as PvtV2Block
-from timm.models.pvt_v2 import PyramidVisionTransformerV2
-from timm.models.swin_transformer import SwinTransformer
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..layers import FFN_INHERITS, TokenLayout, activation_name, create_ffn
-from .lvt import LVT
-from .cyclemlp import CycleMLPNet
-from .hiremlp import HireMLPNet
-from .edgevit import EdgeViT, LocalAggregation
-from .vision_llama import PyramidVisionLLaMA
+from ..layers import FFN_INHERITS, activation_name, create_ffn
+from . import timm_slots  # noqa: F401  (declares the timm families' slots)
+from .slots import Slot, find_slots, supported_families
 from .weight_decay import expose_no_weight_decay
 
-__all__ = ['swap_ffn', 'find_ffn_slots', 'SUPPORTED_FAMILIES']
-
-SUPPORTED_FAMILIES = ('VisionTransformer', 'SwinTransformer', 'MetaFormer', 'MlpMixer', 'PyramidVisionTransformerV2',
-                      'GlobalContextVit', 'LVT', 'CycleMLPNet', 'HireMLPNet',
-                      'EdgeViT', 'PyramidVisionLLaMA')
-
-# A slot: (parent module, attribute name, qualified name, layout for the new FFN).
-Slot = Tuple[nn.Module, str, str, TokenLayout]
+__all__ = ['swap_ffn', 'find_ffn_slots', 'SUPPORTED_FAMILIES']  # noqa: F822  (SUPPORTED_FAMILIES: __getattr__)
 
 
-def _tracing_symbolically() -> bool:
-    """torch.fx tracing: shapes are proxies, and a hook's update of the layout is not recorded in the
-    graph. The hooks then leave the layout as the last eager forward (or the build) set it, so a traced
-    model runs at that input size; the spatial layers are FX leaves (``vitblocks.layers``) whose
-    ``check_grid`` names any mismatch."""
-    return is_fx_symbolic_tracing()  # not is_fx_tracing(): that one logs a deprecation warning per process
-
-
-def _track_patch_grid(patch_embed: nn.Module, args: Tuple[torch.Tensor], output: torch.Tensor) -> None:
-    """Forward hook on a patch embedding: record the grid of this forward in the shared layout."""
-    if torch.jit.is_scripting():  # TorchScript compiles hooks: typed arguments, and nothing past this line
-        return
-    if _tracing_symbolically():
-        return
-    layout = patch_embed._vitblocks_layout
-    if output.ndim == 4:  # dynamic_img_size: (B, H, W, C)
-        layout.grid_size = (output.shape[1], output.shape[2])
-    else:  # (B, H*W, C): fixed or padded size, computed from the image
-        layout.grid_size = tuple(patch_embed.dynamic_feat_size(tuple(args[0].shape[-2:])))
-
-
-def _track_block_grid(block: nn.Module, args: Tuple[torch.Tensor]) -> None:
-    """Forward pre-hook on a Swin block, whose input is ``(B, H, W, C)``."""
-    if torch.jit.is_scripting():
-        return
-    if _tracing_symbolically():
-        return
-    x = args[0]
-    block._vitblocks_layout.grid_size = (x.shape[1], x.shape[2])
-
-
-def _track_stage_grid(downsample: nn.Module, args: Tuple[torch.Tensor], output: torch.Tensor) -> None:
-    """Forward hook on a MetaFormer stage's downsampling, whose output ``(B, C, H, W)`` the stage turns into tokens."""
-    if torch.jit.is_scripting():
-        return
-    if _tracing_symbolically():
-        return
-    downsample._vitblocks_layout.grid_size = (output.shape[-2], output.shape[-1])
-
-
-def _tracked_layout(module: nn.Module, make: Callable[[], TokenLayout], hook: Callable,
-                    pre: bool = False) -> TokenLayout:
-    """The layout kept on ``module`` (made and attached on first use, with ``hook`` registered as its forward
-    hook, or pre-hook with ``pre``, to keep its grid current); the same one for every slot that asks again."""
-    layout = getattr(module, '_vitblocks_layout', None)
-    if layout is None:
-        layout = make()
-        _attach(module, layout)
-        (module.register_forward_pre_hook if pre else module.register_forward_hook)(hook)
-    return layout
-
-
-def _stage_token_layout(stage: nn.Module) -> TokenLayout:
-    """One layout for the blocks of a channels-last MetaFormer stage: timm's ``MetaFormerStage`` reshapes the
-    downsampled ``(B, C, H, W)`` map to tokens ``(B, H*W, C)`` (no prefix), so a hook on its downsampling
-    records the grid of every forward."""
-    return _tracked_layout(stage.downsample, lambda: TokenLayout(None, 0), _track_stage_grid)
-
-
-def _shared_patch_layout(patch_embed: nn.Module, num_prefix_tokens: int) -> TokenLayout:
-    """One layout for all blocks of a plain ViT/Mixer, kept current by a hook on the patch embed."""
-    return _tracked_layout(patch_embed, lambda: TokenLayout(tuple(patch_embed.grid_size), num_prefix_tokens),
-                           _track_patch_grid)
-
-
-def _block_layout(block: nn.Module, grid_size) -> TokenLayout:
-    """A Swin block's layout, kept current by a pre-hook on the block (its input is ``(B, H, W, C)``)."""
-    return _tracked_layout(block, lambda: TokenLayout(tuple(grid_size) if grid_size is not None else None, 0),
-                           _track_block_grid, pre=True)
-
-
-def _attach(module: nn.Module, layout: TokenLayout) -> None:
-    """Keep the layout a hook updates on the timm module it hooks, outside that module's tree (a plain
-    attribute, not a submodule): timm's module and its state dict stay as timm builds them, and the
-    layout is listed once, under the FFNs that use it."""
-    object.__setattr__(module, '_vitblocks_layout', layout)
+def __getattr__(name: str):
+    """``SUPPORTED_FAMILIES``: the classes that declare ``'ffn'`` slots now (backbones register on import)."""
+    if name == 'SUPPORTED_FAMILIES':
+        return supported_families('ffn')
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def _drop_feat_size(mlp: nn.Module, args):
-    """Forward pre-hook on an FFN without a ``feat_size`` argument in a PVTv2 block: call it with the tokens only."""
+    """Forward pre-hook on an FFN without a ``feat_size`` argument in a block that passes one (PVTv2):
+    call it with the tokens only."""
     return args[:1]
 
 
@@ -154,57 +56,9 @@ def _takes_feat_size(mlp: nn.Module) -> bool:
 
 
 def find_ffn_slots(model: nn.Module) -> List[Slot]:
-    """List the channel-MLP slots of a supported timm model (empty list if unsupported)."""
-    slots: List[Slot] = []
-    if isinstance(model, VisionTransformer):
-        layout = _shared_patch_layout(model.patch_embed, model.num_prefix_tokens)
-        for i, blk in enumerate(model.blocks):
-            # a ViT whose blocks are Mixer blocks (NiNformer's Mixer baseline) keeps its MLP in mlp_channels
-            attr = 'mlp_channels' if isinstance(blk, MixerBlock) else 'mlp'
-            slots.append((blk, attr, f'blocks.{i}.{attr}', layout))
-    elif isinstance(model, SwinTransformer):
-        for s, stage in enumerate(model.layers):
-            for i, blk in enumerate(stage.blocks):
-                slots.append((blk, 'mlp', f'layers.{s}.blocks.{i}.mlp',
-                              _block_layout(blk, getattr(blk, 'input_resolution', None))))
-    elif isinstance(model, MetaFormer):
-        for s, stage in enumerate(model.stages):
-            for i, blk in enumerate(stage.blocks):
-                if isinstance(blk.mlp.fc1, nn.Conv2d):  # 1x1-conv MLPs on (B, C, H, W) maps (PoolFormer, ConvFormer)
-                    layout = TokenLayout(None, 0, True)
-                else:  # timm runs a channels-last stage (CAFormer's attention stages) on tokens (B, H*W, C)
-                    layout = _stage_token_layout(stage)
-                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', layout))
-    elif isinstance(model, MlpMixer):
-        layout = _shared_patch_layout(model.stem, 0)
-        for i, blk in enumerate(model.blocks):
-            slots.append((blk, 'mlp_channels', f'blocks.{i}.mlp_channels', layout))
-    elif isinstance(model, PyramidVisionTransformerV2):
-        for s, stage in enumerate(model.stages):
-            for i, blk in enumerate(stage.blocks):
-                # the grid comes with each call (feat_size); one layout per block, none shared
-                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0)))
-    elif isinstance(model, (GlobalContextVit, LVT, CycleMLPNet)):
-        for s, stage in enumerate(model.stages):
-            for i, blk in enumerate(stage.blocks):  # the blocks run on (B, H, W, C) maps
-                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, False)))
-    elif isinstance(model, HireMLPNet):
-        for s, stage in enumerate(model.stages):
-            for i, blk in enumerate(stage.blocks):  # 1x1-conv MLPs on (B, C, H, W) maps
-                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, True)))
-    elif isinstance(model, EdgeViT):
-        for s, stage in enumerate(model.stages):
-            for i, blk in enumerate(stage.blocks):  # both FFNs of an LGL block (no local part where r = 1)
-                if isinstance(blk.local_agg, LocalAggregation):
-                    slots.append((blk.local_agg, 'mlp', f'stages.{s}.blocks.{i}.local_agg.mlp',
-                                  TokenLayout(None, 0, True)))
-                slots.append((blk.global_attn, 'mlp', f'stages.{s}.blocks.{i}.global_attn.mlp',
-                              TokenLayout(None, 0, False)))
-    elif isinstance(model, PyramidVisionLLaMA):
-        for s, stage in enumerate(model.stages):
-            for i, blk in enumerate(stage.blocks):  # SwiGLU FFNs on (B, H, W, C) maps
-                slots.append((blk, 'mlp', f'stages.{s}.blocks.{i}.mlp', TokenLayout(None, 0, False)))
-    return slots
+    """List the channel-MLP slots ``(parent, attr, qualname, layout)`` of a model whose class declares them
+    (``models/slots.py``); an empty list if it declares none."""
+    return find_slots(model, 'ffn')
 
 
 def _mlp_dims(mlp: nn.Module) -> Tuple[int, int, int, bool]:
@@ -270,7 +124,7 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
     """Replace the channel MLPs of a timm model with the FFN registered as ``name``.
 
     Args:
-        model: a timm model of a supported family (see ``SUPPORTED_FAMILIES``); changed in place.
+        model: a model whose class declares ``'ffn'`` slots (see ``SUPPORTED_FAMILIES``); changed in place.
         name: registered FFN name (``vitblocks.layers.list_ffns()``), e.g. 'iffn'.
         mlp_ratio: hidden width relative to the input width; default keeps the original width.
         include: optional predicate on the slot's qualified name (e.g. ``'blocks.3.mlp'``)
@@ -293,7 +147,7 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
     slots = find_ffn_slots(model)
     if not slots:
         raise ValueError(f'swap_ffn found no channel MLP in {type(model).__name__}; supported timm families: '
-                         f'{", ".join(SUPPORTED_FAMILIES)}')
+                         f'{", ".join(supported_families("ffn"))}')
     selected = [slot for slot in slots if include is None or include(slot[2])]
     for parent, attr, qualname, _ in selected:  # all checked before any is replaced
         check_not_swapped(getattr(parent, attr), qualname)
@@ -308,8 +162,8 @@ def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
         new = create_ffn(name, c_in, hidden, c_out, layout=layout, device=ref.device, dtype=ref.dtype, **kwargs)
         new.train(old.training)
         setattr(new, SWAPPED_ATTR, name)
-        if isinstance(parent, PvtV2Block) and not _takes_feat_size(new):
-            new.register_forward_pre_hook(_drop_feat_size)  # the block calls mlp(x, feat_size)
+        if _takes_feat_size(old) and not _takes_feat_size(new):
+            new.register_forward_pre_hook(_drop_feat_size)  # the block calls mlp(x, feat_size) (PVTv2)
         setattr(parent, attr, new)
         count += 1
     if count == 0:

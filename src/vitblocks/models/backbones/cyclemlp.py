@@ -37,6 +37,7 @@ from timm.layers import ClassifierHead, DropPath, Mlp, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
+from ..slots import CHANNELS_LAST, register_slots, stage_block_slots
 from .staged import StagedBackbone, authors_init, create_staged
 
 __all__ = ['CycleMLPNet', 'CycleFC', 'CycleMixer', 'split_attention', 'StagedMlpNet']
@@ -220,6 +221,10 @@ class CycleMLPNet(StagedMlpNet):
 
     # the authors': trunc-normal linears, torch's convs
     _init_weights = staticmethod(partial(authors_init, conv=None))
+
+
+# the slot protocol (models/slots.py): swap_ffn replaces stages[s].blocks[i].mlp, on (B, H, W, C) maps
+register_slots(CycleMLPNet, ffn=stage_block_slots(CHANNELS_LAST))
 
 
 def _cfg(crop_pct: float) -> dict:

@@ -51,6 +51,7 @@ from timm.layers.pos_embed_sincos import apply_rot_embed
 from timm.models import generate_default_cfgs, register_model, register_notrace_function
 from torch import nn
 
+from ..slots import CHANNELS_LAST, register_slots, stage_block_slots
 from .staged import ChannelsLastStage, StagedBackbone, authors_init, create_staged
 
 __all__ = ['PyramidVisionLLaMA', 'LocallyGroupedRoPEAttention', 'GlobalSubsampledRoPEAttention', 'rope_2d']
@@ -245,6 +246,10 @@ class PyramidVisionLLaMA(StagedBackbone):
 
     def _prune_head(self) -> None:
         self.reset_classifier(0)  # the head keeps its average pool and second LayerNorm (see forward_head)
+
+
+# the slot protocol (models/slots.py): swap_ffn replaces stages[s].blocks[i].mlp, SwiGLU FFNs on (B, H, W, C) maps
+register_slots(PyramidVisionLLaMA, ffn=stage_block_slots(CHANNELS_LAST))
 
 
 default_cfgs = generate_default_cfgs({  # read by timm's register_model

@@ -39,10 +39,12 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models.volo import ClassBlock
 from torch import nn
 
+from ...layers import TokenLayout, create_ffn
+from ..slots import CHANNELS_LAST, register_slots, stage_block_slots
+from ..weight_decay import expose_no_weight_decay
 from .staged import ChannelsLastStage, StagedBackbone, authors_init, create_staged
-from .weight_decay import expose_no_weight_decay
 
-__all__ = ['LVT', 'ConvSelfAttention', 'RecursiveAtrousSelfAttention', 'LVTMlp']
+__all__ = ['LVT', 'ConvSelfAttention', 'RecursiveAtrousSelfAttention', 'LVTMlp', 'swap_class_block_ffns']
 
 
 class ConvSelfAttention(nn.Module):
@@ -324,7 +326,7 @@ def lvt(pretrained: bool = False, **kwargs) -> LVT:
     return create_staged(LVT, 'lvt', pretrained, **kwargs)
 
 
-# --- the papers' LVT variants -------------------------------------------------------------------
+# --- the papers' LVT variants (iffn_lvt in models/iffn.py, afbo_lvt in models/afbo.py) --------------
 # IFFN Table 1 (LVT-R1..R4 + IFFN*, 5x5 kernel) and AFBO Table 2 (LVT + AFBO, G1 = 2, G2 = 2).
 # Their parameter counts (4.98 M, 5.2 M) are reached only if the MLPs of the two class-attention
 # blocks are replaced too; those see one class token and no grid, so they get the FFN's
@@ -332,7 +334,6 @@ def lvt(pretrained: bool = False, **kwargs) -> LVT:
 
 def swap_class_block_ffns(model: LVT, name: str, **cfg) -> int:
     """Replace the MLPs of ``model.post_blocks`` (class token only, no grid) with FFN ``name``."""
-    from ..layers import TokenLayout, create_ffn
     for blk in model.post_blocks:
         old = blk.mlp
         ref = old.fc1.weight
@@ -342,33 +343,5 @@ def swap_class_block_ffns(model: LVT, name: str, **cfg) -> int:
     return len(model.post_blocks)
 
 
-_CHANNEL_ONLY = {'iffn': dict(spatial_part=False), 'afbo': dict(order='cm', spatial=None)}
-_AFBO_LVT_GROUPS = dict(gccm_groups=2, occm_groups=2)  # G1, G2 of afbo_lvt (AFBO Table 2)
-
-
-def _swap_everywhere(name: str, model_groups: Optional[Dict[str, int]] = None):
-    def build(model: LVT, cfg):
-        from .surgery import swap_ffn  # surgery knows LVT, so it imports this module
-        stage_cfg, class_cfg = cfg, {**cfg, **_CHANNEL_ONLY[name]}
-        if model_groups:  # AFBO: drop our G1/G2 where the chosen maps do not read them, as models/afbo.py does
-            from .afbo import drop_unread_groups
-            stage_cfg = drop_unread_groups(stage_cfg, model_groups)
-            class_cfg = drop_unread_groups(class_cfg, model_groups)
-        swap_ffn(model, name, **stage_cfg)
-        swap_class_block_ffns(model, name, **class_cfg)
-    return build
-
-
-def _register_variants():
-    from .registry import VariantSpec, register_variant
-    register_variant(VariantSpec(
-        name='iffn_lvt', method='iffn', base='lvt', build=_swap_everywhere('iffn'), cfg=dict(kernel_size=5),
-        description='IFFN Table 1 LVT + IFFN* (5x5 depthwise; class-attention blocks: channel part only)'))
-    register_variant(VariantSpec(
-        name='afbo_lvt', method='afbo', base='lvt', build=_swap_everywhere('afbo', _AFBO_LVT_GROUPS),
-        cfg=dict(_AFBO_LVT_GROUPS),
-        description='AFBO Table 2 LVT + AFBO (G1=2, G2=2: 3 divides no LVT width; class-attention blocks: '
-                    'channel mapping only)'))
-
-
-_register_variants()
+# the slot protocol (models/slots.py): swap_ffn replaces stages[s].blocks[i].mlp, on (B, H, W, C) maps
+register_slots(LVT, ffn=stage_block_slots(CHANNELS_LAST))

@@ -45,6 +45,7 @@ from timm.layers import ClassifierHead, ConvNormAct, DropPath, Mlp
 from timm.models import generate_default_cfgs, register_model, register_notrace_module
 from torch import nn
 
+from ..slots import CHANNELS_FIRST, register_slots, stage_block_slots
 from .cyclemlp import StagedMlpNet, split_attention
 from .staged import authors_init, create_staged
 
@@ -183,6 +184,10 @@ class HireMLPNet(StagedMlpNet):
 
     # the authors': trunc-normal linears and convs
     _init_weights = staticmethod(partial(authors_init, conv='trunc_normal'))
+
+
+# the slot protocol (models/slots.py): swap_ffn replaces stages[s].blocks[i].mlp, 1x1-conv MLPs on (B, C, H, W) maps
+register_slots(HireMLPNet, ffn=stage_block_slots(CHANNELS_FIRST))
 
 
 default_cfgs = generate_default_cfgs({  # read by timm's register_model; the authors' config (crop 0.9)

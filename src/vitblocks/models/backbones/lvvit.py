@@ -40,6 +40,9 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
+from ..residual_blocks import ResidualFFNViTBlock
+from ..slots import ResidualRecipe, register_slots
+
 __all__ = ['LVViT', 'LVViTBlock', 'ConvStemPatchEmbed', 'ConstantScale']
 
 
@@ -147,6 +150,13 @@ class LVViT(VisionTransformer):
             return logits
         aux = self.aux_head(x[:, self.num_prefix_tokens:])  # (B, N, D) -> (B, N, num_classes)
         return logits + 0.5 * aux.amax(dim=1)
+
+
+# the slot protocol (models/slots.py): swap_ffn finds blocks[i].mlp as in any timm VisionTransformer (LVViT
+# inherits its declaration); swap_residual_ffn rewires the block as a timm Block, and its constant 1/skip_lam
+# (ls2) moves into the unit as branch_scale. Once rewired it runs timm's token-mixer half (ls1 still divides).
+register_slots(LVViTBlock, residual_ffn=ResidualRecipe(ResidualFFNViTBlock, 'mlp', 'norm2', 'drop_path2',
+                                                       constant_scale='ls2'))
 
 
 def _cfg(**kwargs):

@@ -49,6 +49,8 @@ from timm.layers import ClassifierHead, DropPath, LayerNorm2d, Mlp
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
+from ...layers import TokenLayout
+from ..slots import Slot, register_slots
 from .staged import StagedBackbone, authors_init, create_staged
 
 __all__ = ['EdgeViT', 'LocalAggregation', 'SparseGlobalAttention', 'SparseGlobalBlock', 'LGLBlock']
@@ -225,6 +227,23 @@ class EdgeViT(StagedBackbone):
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """The final BatchNorm'd map (B, C, H/32, W/32) -> pooled features or logits."""
         return self.head(x, pre_logits=pre_logits)
+
+
+def _ffn_slots(model: EdgeViT) -> List[Slot]:
+    """Both FFNs of every LGL block (no local part where r = 1): the local aggregation's 1x1-conv FFN on
+    channels-first maps, the global block's token FFN on channels-last maps."""
+    slots = []
+    for s, stage in enumerate(model.stages):
+        for i, blk in enumerate(stage.blocks):
+            if isinstance(blk.local_agg, LocalAggregation):
+                slots.append(Slot(blk.local_agg, 'mlp', f'stages.{s}.blocks.{i}.local_agg.mlp',
+                                  TokenLayout(None, 0, True)))
+            slots.append(Slot(blk.global_attn, 'mlp', f'stages.{s}.blocks.{i}.global_attn.mlp',
+                              TokenLayout(None, 0, False)))
+    return slots
+
+
+register_slots(EdgeViT, ffn=_ffn_slots)  # the slot protocol (models/slots.py)
 
 
 default_cfgs = generate_default_cfgs({  # read by timm's register_model
