@@ -216,72 +216,64 @@ def _augmented_passes(args, cfg, data, model, device, dist):
     return passes
 
 
-def run(args) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.json:
-        check_writable_file(Path(args.json), '--json')  # before the evaluation, not after it
-    deployed = is_deployed_file(args.checkpoint)
+def _read(args, overrides: dict, deployed: bool):
+    """(config, model or None, state dict or None, metadata) of the checkpoint or deployed file."""
+    if deployed:
+        cfg, model, meta = _load_deployed(args, Path(args.checkpoint), overrides)
+        return cfg, model, None, meta
+    cfg, state, meta = _load(args, overrides)
+    if args.train_augment and not meta:
+        raise CliError(f'--train-augment: {args.checkpoint} is not a vitblocks run checkpoint, so no '
+                       f'training augmentation is known for it (give last.pth/best.pth of a run)')
+    return cfg, None, state, meta
+
+
+def _eval_sets(args, cfg, overrides: dict, meta: dict):
+    """The robustness sets, or ``[None]`` for the one split; that split's dataset and name; the class count."""
+    num_classes = meta.get('num_classes') or cfg.num_classes or (1000 if args.robustness else None)
+    if args.robustness:
+        return robustness_sets(args.robustness, Path(cfg.data)), None, None, num_classes
+    explicit = args.split is not None or 'val_split' in overrides  # not a run's own
+    split = cfg.val_split if explicit else eval_split_of(cfg.data)
+    ds = _open_split(cfg, split, explicit, meta.get('classes'))
+    return [None], ds, split, num_classes or ds.num_classes
+
+
+def _build(args, cfg, state, num_classes: int):
+    """The run's model with the checkpoint's weights (reparameterized with --reparam)."""
+    model = create_model(cfg, num_classes)
     try:
-        overrides = parse_overrides(args.overrides)
-        refuse_training_only(overrides, args.overrides)  # before any checkpoint or data is read
-        if args.train_augment and (deployed or args.robustness):
-            raise CliError(f'--train-augment evaluates through a run\'s training augmentation, which '
-                           f'{"a deployed file" if deployed else "--robustness"} does not go with; drop one')
-        if deployed:
-            cfg, model, meta = _load_deployed(args, Path(args.checkpoint), overrides)
-        else:
-            cfg, state, meta = _load(args, overrides)
-            if args.train_augment and not meta:
-                raise CliError(f'--train-augment: {args.checkpoint} is not a vitblocks run checkpoint, so no '
-                               f'training augmentation is known for it (give last.pth/best.pth of a run)')
-        device = resolve_device(cfg.device)
-        dist = init_distributed(device.type)
-        if device.type == 'cuda' and dist.enabled:
-            device = torch.device('cuda', dist.local_rank)
-        classes = meta.get('classes')
-        num_classes = meta.get('num_classes') or cfg.num_classes or (1000 if args.robustness else None)
-        if args.robustness:
-            sets = robustness_sets(args.robustness, Path(cfg.data))
-        else:
-            explicit = args.split is not None or 'val_split' in overrides  # not a run's own
-            split = cfg.val_split if explicit else eval_split_of(cfg.data)
-            ds = _open_split(cfg, split, explicit, classes)
-            num_classes = num_classes or ds.num_classes
-            sets = [None]
-        if not deployed:
-            model = create_model(cfg, num_classes)
-            try:
-                model.load_state_dict(state)
-            except RuntimeError as e:
-                raise CheckpointError(f'{args.checkpoint}: does not fit {cfg.model} with {num_classes} classes '
-                                      f'({str(e).splitlines()[0][:200]}...)') from None
-            if args.reparam:
-                model = reparameterize_model(model.eval())
-        model.to(device).eval()
-        size = tuple(meta['input_size']) if meta.get('input_size') else model_input_size(model, cfg)
-        results = []
-        for rs in sets:
-            dataset = ds if rs is None else rs.dataset
-            if rs is None and dataset.num_classes > num_classes:
-                raise DataError(f'{cfg.data}: {dataset.num_classes} classes but the model has {num_classes} outputs')
-            if meta.get('mean') and meta.get('std'):
-                mean, std = tuple(meta['mean']), tuple(meta['std'])
-            else:  # each of the two the file does not record: the config's, else the model's
-                mean, std = norm_stats(cfg, model, dataset, size[0])
-                mean, std = tuple(meta.get('mean') or mean), tuple(meta.get('std') or std)
-            data = DataSetup(dataset, dataset, rs.name if rs else split, size, mean, std,
-                             'tensor' if dataset.images is not None else 'pil')
-            loader = make_loader(cfg, data, False, device, dist.rank, dist.world_size)
-            res = evaluate(model, loader, dataset.num_classes, device,
-                           class_subset=rs.class_subset if rs else None,
-                           progress=args.progress if dist.is_main else 'none')
-            results.append((rs, dataset, res))
-        augmented = _augmented_passes(args, cfg, data, model, device, dist) if args.train_augment else []
-    except (ConfigError, DataError, CheckpointError) as e:
-        raise CliError(str(e)) from None
-    if not dist.is_main:
-        return 0
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise CheckpointError(f'{args.checkpoint}: does not fit {cfg.model} with {num_classes} classes '
+                              f'({str(e).splitlines()[0][:200]}...)') from None
+    return reparameterize_model(model.eval()) if args.reparam else model
+
+
+def _evaluate_sets(args, cfg, model, meta: dict, sets, ds, split, num_classes: int, size, device, dist):
+    """``[(robustness set or None, dataset, EvalResult)]`` and the DataSetup of the last one."""
+    results, data = [], None
+    for rs in sets:
+        dataset = ds if rs is None else rs.dataset
+        if rs is None and dataset.num_classes > num_classes:
+            raise DataError(f'{cfg.data}: {dataset.num_classes} classes but the model has {num_classes} outputs')
+        if meta.get('mean') and meta.get('std'):
+            mean, std = tuple(meta['mean']), tuple(meta['std'])
+        else:  # each of the two the file does not record: the config's, else the model's
+            mean, std = norm_stats(cfg, model, dataset, size[0])
+            mean, std = tuple(meta.get('mean') or mean), tuple(meta.get('std') or std)
+        data = DataSetup(dataset, dataset, rs.name if rs else split, size, mean, std,
+                         'tensor' if dataset.images is not None else 'pil')
+        loader = make_loader(cfg, data, False, device, dist.rank, dist.world_size)
+        res = evaluate(model, loader, dataset.num_classes, device, class_subset=rs.class_subset if rs else None,
+                       progress=args.progress if dist.is_main else 'none')
+        results.append((rs, dataset, res))
+    return results, data
+
+
+def _report(args, cfg, model, size, deployed: bool, device, results, augmented) -> dict:
+    """Print the model line, each set's top-1/top-5 (per class where asked or few), the augmented passes and
+    the mean corruption error; return the same as the --json document."""
     with torch.no_grad():
         macs = count_macs(model, input_size=size)
     params = count_params(model)
@@ -316,6 +308,38 @@ def run(args) -> int:
         print(f'mean corruption error (unnormalized, top-1 error % averaged over severities and corruptions): '
               f'{mce["mean"]:.2f}')
         out['mean_corruption_error'] = mce
+    return out
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.json:
+        check_writable_file(Path(args.json), '--json')  # before the evaluation, not after it
+    deployed = is_deployed_file(args.checkpoint)
+    try:
+        overrides = parse_overrides(args.overrides)
+        refuse_training_only(overrides, args.overrides)  # before any checkpoint or data is read
+        if args.train_augment and (deployed or args.robustness):
+            raise CliError(f'--train-augment evaluates through a run\'s training augmentation, which '
+                           f'{"a deployed file" if deployed else "--robustness"} does not go with; drop one')
+        cfg, model, state, meta = _read(args, overrides, deployed)
+        device = resolve_device(cfg.device)
+        dist = init_distributed(device.type)
+        if device.type == 'cuda' and dist.enabled:
+            device = torch.device('cuda', dist.local_rank)
+        sets, ds, split, num_classes = _eval_sets(args, cfg, overrides, meta)
+        if not deployed:
+            model = _build(args, cfg, state, num_classes)
+        model.to(device).eval()
+        size = tuple(meta['input_size']) if meta.get('input_size') else model_input_size(model, cfg)
+        results, data = _evaluate_sets(args, cfg, model, meta, sets, ds, split, num_classes, size, device, dist)
+        augmented = _augmented_passes(args, cfg, data, model, device, dist) if args.train_augment else []
+    except (ConfigError, DataError, CheckpointError) as e:
+        raise CliError(str(e)) from None
+    if not dist.is_main:
+        return 0
+    out = _report(args, cfg, model, size, deployed, device, results, augmented)
     if args.json:
         try:
             write_json(Path(args.json), out)

@@ -115,6 +115,37 @@ class Trainer:
                  model: Optional[nn.Module] = None, changed: Sequence[str] = ()):
         self.cfg = cfg
         self.changed = tuple(changed)  # RESUME_ON_REQUEST keys this resume was asked to change
+        self._notes = []  # messages for the progress output, printed once it exists
+        self._join_processes()
+        if resume is None and cfg.resume == 'auto':
+            resume = auto_resume_checkpoint(Path(run_dir) if run_dir is not None else
+                                            Path(cfg.output) / (cfg.name or default_run_name(cfg)))
+        ckpt = load_on_every_rank(resume, cfg)
+        if ckpt is not None:
+            check_resume_config(cfg, ckpt.get('config', {}), resume, self.changed)
+            self._check_global_batch(ckpt, resume)  # before the run folder's config or metrics are touched
+        self._build_model(model, fresh=ckpt is None)
+        self._build_data(ckpt, resume)
+        self._place_model()
+        self._build_optimization()
+        self._wrap_model()
+        self._reset_position()
+        self.run_dir = self._make_run_dir(run_dir, resume, ckpt)
+        self.log = MetricsLog(self.run_dir, cfg.tensorboard, fresh=ckpt is None) if self.dist.is_main else None
+        if ckpt is not None:
+            self._restore(ckpt, resume)
+            if self.changed and self.dist.is_main:
+                record_changes(self.run_dir, self.global_step, ckpt.get('config', {}), cfg, self.changed)
+        self.progress = Progress(cfg.progress, self.dist.is_main, self.total_steps, self.global_batch)
+        if self.log is not None and self.log.tb_note:
+            self.progress.message(self.log.tb_note)
+        for note in self._notes:
+            self.progress.message(note)
+
+    # --- setup, in the order __init__ runs it ------------------------------------------------------
+    def _join_processes(self) -> None:
+        """Threads, device, the process group (under torchrun) and this rank's seed."""
+        cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device)
@@ -125,22 +156,21 @@ class Trainer:
                 self.device = torch.device('cuda', self.dist.local_rank)
         seed_everything(derive_seed(cfg.seed, self.dist.rank), cfg.deterministic, self.device)
 
-        if resume is None and cfg.resume == 'auto':
-            resume = auto_resume_checkpoint(Path(run_dir) if run_dir is not None else
-                                            Path(cfg.output) / (cfg.name or default_run_name(cfg)))
-        ckpt = load_on_every_rank(resume, cfg)
-        if ckpt is not None:
-            check_resume_config(cfg, ckpt.get('config', {}), resume, self.changed)
-            self._check_global_batch(ckpt, resume)  # before the run folder's config or metrics are touched
+    def _build_model(self, model: Optional[nn.Module], fresh: bool) -> None:
+        """The model (given, or built from the config), with grad checkpointing and initial weights."""
+        cfg = self.cfg
         if model is None:
             model_name(cfg)  # an unknown name fails now, not after the training split is decoded for its classes
         self.model = model if model is not None else create_model(cfg, cfg.num_classes or self._peek_classes())
         if cfg.grad_checkpointing:
             enable_grad_checkpointing(self.model, cfg.model or type(self.model).__name__)
-        self._notes = []
-        if ckpt is None and cfg.initial_checkpoint:
+        if fresh and cfg.initial_checkpoint:
             self._notes.append(load_initial_weights(self.model, cfg.initial_checkpoint))
         self.num_classes = _num_outputs(self.model, cfg)
+
+    def _build_data(self, ckpt: Optional[Dict[str, Any]], resume: Optional[Path]) -> None:
+        """Datasets, loaders and the step budget; a resume must find the same dataset and a budget not behind it."""
+        cfg = self.cfg
         self.data = setup_data(cfg, self.model, self.num_classes)
         for key in ('data', 'train_url'):  # moved data: only the same dataset (class names, split sizes) resumes
             if ckpt is not None and ckpt.get('config', {}).get(key, getattr(cfg, key)) != getattr(cfg, key):
@@ -159,6 +189,9 @@ class Trainer:
                               '; a resume cannot go back: give a larger budget, or evaluate the run as it is '
                               '(vitblocks eval)')
 
+    def _place_model(self) -> None:
+        """On its device, BatchNorms synchronized across processes (sync_bn), channels-last memory."""
+        cfg = self.cfg
         self.model.to(self.device)
         if cfg.sync_bn and self.dist.enabled:
             if self.device.type != 'cuda':
@@ -169,6 +202,10 @@ class Trainer:
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
         if cfg.channels_last:
             self.model.to(memory_format=torch.channels_last)
+
+    def _build_optimization(self) -> None:
+        """Learning rate, optimizer, schedule, EMA, mixed precision, mixup and the loss."""
+        cfg = self.cfg
         # the recipe's batch is the global batch: per-process micro-batch x processes x accumulation
         self.global_batch = cfg.batch_size * self.dist.world_size * cfg.grad_accum
         self.lr = cfg.lr if cfg.lr is not None else cfg.lr_base * self.global_batch / cfg.lr_base_size
@@ -195,16 +232,19 @@ class Trainer:
         else:
             self.criterion = nn.CrossEntropyLoss()
 
+    def _wrap_model(self) -> None:
+        """``forward_model``: the model under DDP (several processes) and ``torch.compile`` (compile=true)."""
         self.forward_model, self.ddp = self.model, None
         if self.dist.enabled:
             ids = [self.device.index] if self.device.type == 'cuda' else None
             self.forward_model = self.ddp = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
-        if cfg.compile:
-            self.forward_model = torch.compile(self.forward_model, mode=cfg.compile_mode)
+        if self.cfg.compile:
+            self.forward_model = torch.compile(self.forward_model, mode=self.cfg.compile_mode)
         if self.ddp is not None:
             self._settle_gradient_buckets()
 
-        # position and history
+    def _reset_position(self) -> None:
+        """Position and history of a fresh run (a resume then restores them from its checkpoint)."""
         self.epoch, self.epoch_step, self.global_step = 0, 0, 0
         self.best_top1, self.best_epoch = -1.0, -1
         self.elapsed_before = 0.0
@@ -217,17 +257,6 @@ class Trainer:
         # a stop during an evaluation saves the state from before it: the evaluation (and, after a completed
         # epoch, the scheduler's epoch step, which plateau takes the evaluation's top-1 for) is then still owed
         self._evaluation_owed, self._scheduler_step_owed = False, False
-        self.run_dir = self._make_run_dir(run_dir, resume, ckpt)
-        self.log = MetricsLog(self.run_dir, cfg.tensorboard, fresh=ckpt is None) if self.dist.is_main else None
-        if ckpt is not None:
-            self._restore(ckpt, resume)
-            if self.changed and self.dist.is_main:
-                record_changes(self.run_dir, self.global_step, ckpt.get('config', {}), cfg, self.changed)
-        self.progress = Progress(cfg.progress, self.dist.is_main, self.total_steps, self.global_batch)
-        if self.log is not None and self.log.tb_note:
-            self.progress.message(self.log.tb_note)
-        for note in self._notes:
-            self.progress.message(note)
 
     # --- setup helpers -----------------------------------------------------------------------------
     def _peek_classes(self) -> int:
