@@ -37,8 +37,6 @@ import argparse
 import os
 import platform
 import statistics
-import time
-from typing import Callable, Dict, List
 
 import timm
 import torch
@@ -49,7 +47,7 @@ from vitblocks.deploy import reparameterize
 from vitblocks.layers import AFBO, AFBODeployed
 from vitblocks.layers.channel_maps import create_channel_map, map_cost
 from vitblocks.models import find_ffn_slots
-from vitblocks.profile import fault_note, fixed_threads, input_size_of
+from vitblocks.profile import fault_note, fixed_threads, input_size_of, interleaved_times
 
 from _ratio_runs import add_malloc_option, apply_malloc_option, forward_ops, interleaved_runs, target_line
 
@@ -78,20 +76,6 @@ def parse_args(argv=None):
                         f'(default {AFBODeployed.inference_chunk_max_threads})')
     add_malloc_option(p)
     return p.parse_args(argv)
-
-
-def _interleaved(fns: Dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> Dict[str, List[float]]:
-    """ms per call of each function, called round-robin so load changes hit all of them alike."""
-    times = {k: [] for k in fns}
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def _first_afbo(model) -> AFBO:
@@ -148,7 +132,7 @@ def layers(args) -> None:
     d, hid = layer.in_features, layer.hidden_features
     mlp = Mlp(d, hid).eval()
     with fixed_threads(args.threads):
-        t = _interleaved({'afbo': lambda: layer(x), 'mlp': lambda: mlp(x)}, args.layer_repeats)
+        t = interleaved_times({'afbo': lambda: layer(x), 'mlp': lambda: mlp(x)}, args.layer_repeats, warmup=2)
     a, m = statistics.median(t['afbo']), statistics.median(t['mlp'])
     print(f'\n2. one FFN on its real input {tuple(x.shape)}, median ms per call ({args.layer_repeats} calls)')
     print(f'  AFBO {a:.2f} ms, timm Mlp {m:.2f} ms: {a / m:.3f}x')
@@ -168,8 +152,8 @@ def layers(args) -> None:
         out_map, out_eq = rows.new_empty(rows.shape[0], hid), rows.new_empty(rows.shape[0], hid)
         weight = cmap.bmm_weight()
         with fixed_threads(args.threads):
-            t = _interleaved({'map': lambda: cmap.forward_into(rows, out_map, weight),
-                              'dense': lambda: torch.mm(rows_eq, w_eq, out=out_eq)}, args.layer_repeats)
+            t = interleaved_times({'map': lambda: cmap.forward_into(rows, out_map, weight),
+                                   'dense': lambda: torch.mm(rows_eq, w_eq, out=out_eq)}, args.layer_repeats, warmup=2)
         tm, td = statistics.median(t['map']), statistics.median(t['dense'])
         label = f'{kind} (G={groups})' if kind != 'dense' else 'dense'
         print(f'  {label:14s} {macs:10d} {tm:8.2f} {td:9.2f} {tm / td:7.2f}x {rows.shape[0] * macs / tm / 1e6:11.1f}')

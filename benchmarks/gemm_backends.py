@@ -14,7 +14,6 @@ unpacked weight), fp32, interleaved, median ms per call, and GMAC/s.
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from _ratio_runs import add_malloc_option, apply_malloc_option  # noqa: E402
 
-from vitblocks.profile import fixed_threads  # noqa: E402
+from vitblocks.profile import fixed_threads, interleaved_times  # noqa: E402
 
 # (label, tokens per image, in, out, images): the repo's benchmark batches (DeiT-B 16, DeiT-S 32)
 SHAPES = [
@@ -80,13 +79,8 @@ def main(argv=None):
             err = ((out - ref).abs().max() / ref.abs().max()).item()
             if err > 1e-4:
                 raise SystemExit(f'{label}: oneDNN and F.linear differ by {err:.1e} (relative); not the same GEMM')
-            times = {'mkl': [], 'onednn': []}
-            for r in range(args.warmup + args.repeats):
-                for name, fn in (('mkl', F.linear), ('onednn', onednn)):
-                    t0 = time.perf_counter()
-                    fn(x, w, b)
-                    if r >= args.warmup:
-                        times[name].append((time.perf_counter() - t0) * 1e3)
+            times = interleaved_times({'mkl': lambda: F.linear(x, w, b), 'onednn': lambda: onednn(x, w, b)},
+                                      args.repeats, warmup=args.warmup)
             mkl_ms, dnn_ms = statistics.median(times['mkl']), statistics.median(times['onednn'])
             gmac = m * k * n / 1e9
             print(f'{label:32} {f"{m} x {k} -> {n}":>20} {mkl_ms:11.2f} {gmac / mkl_ms * 1e3:6.0f} {dnn_ms:9.2f} '

@@ -16,7 +16,6 @@ Median wall-clock ms per call over --repeats, the ops interleaved round by round
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _ratio_runs import add_malloc_option, apply_malloc_option  # noqa: E402
 
 from vitblocks.layers.rational_gelu import gelu_rational  # noqa: E402
+from vitblocks.profile import interleaved_times  # noqa: E402
 
 
 def main(argv=None):
@@ -89,15 +89,8 @@ def main(argv=None):
         gelu_erf, gelu_rat = torch.compile(F.gelu), torch.compile(gelu_rational)
         ops['GELU 4C, torch.compile(F.gelu)'] = lambda: gelu_erf(y)
         ops['GELU 4C, torch.compile(gelu_rational)'] = lambda: gelu_rat(y)
-    times = {k: [] for k in ops}
     with torch.inference_mode():
-        for f in ops.values():
-            f()
-        for _ in range(args.repeats):
-            for k, f in ops.items():
-                t0 = time.perf_counter()
-                f()
-                times[k].append((time.perf_counter() - t0) * 1e3)
+        times = interleaved_times(ops, args.repeats)
     print(f'{torch.get_num_threads()} threads, {allocator}; '
           f'B={B} N={H * W} C={C}; median ms per call over {args.repeats}')
     width = max(map(len, ops))

@@ -15,7 +15,6 @@ all interleaved round by round. Printed per size: the median ms per call, the ra
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import timm
@@ -26,7 +25,7 @@ from _ratio_runs import add_malloc_option, apply_malloc_option  # noqa: E402
 from iffn_latency import add_model_options, build_models, first_ffn, first_ffn_and_input  # noqa: E402
 
 from vitblocks.layers import IFFNDeployed  # noqa: E402
-from vitblocks.profile import fixed_threads, input_size_of  # noqa: E402
+from vitblocks.profile import fixed_threads, input_size_of, interleaved_times  # noqa: E402
 
 MIB = 2 ** 20
 DEFAULT_SIZES = [1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 0]
@@ -64,20 +63,16 @@ def main(argv=None):
     _, _, x_i = first_ffn_and_input(iffn_train, args.batch_size, size)
     qual_b, mlp, x_b = first_ffn_and_input(baseline, args.batch_size, size)
 
-    times = {b: [] for b in args.chunk_bytes}
-    base = []
+    def sliced(b):
+        def call():
+            ffn.inference_chunk_bytes = b
+            ffn(x_i)
+        return call
+
     with fixed_threads(args.threads), torch.inference_mode():
-        for r in range(args.warmup + args.repeats):
-            for b in args.chunk_bytes:
-                ffn.inference_chunk_bytes = b
-                t0 = time.perf_counter()
-                ffn(x_i)
-                if r >= args.warmup:
-                    times[b].append((time.perf_counter() - t0) * 1e3)
-            t0 = time.perf_counter()
-            mlp(x_b)
-            if r >= args.warmup:
-                base.append((time.perf_counter() - t0) * 1e3)
+        times = interleaved_times({**{b: sliced(b) for b in args.chunk_bytes}, 'base': lambda: mlp(x_b)},
+                                  args.repeats, warmup=args.warmup)
+    base = times.pop('base')
 
     threads = args.threads or torch.get_num_threads()
     print(f'torch {torch.__version__}, timm {timm.__version__}, {threads} threads, {allocator}')

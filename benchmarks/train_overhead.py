@@ -36,7 +36,7 @@ import yaml
 
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.experiments import Trainer, load_recipe, merge
-from vitblocks.profile import fixed_threads
+from vitblocks.profile import fixed_threads, interleaved_times
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tests'))
 
@@ -82,16 +82,8 @@ def main() -> int:
             F.cross_entropy(bare(x), y).backward()
             opt.step()
 
-        times = {'ours': [], 'bare': []}
-        for _ in range(args.warmup):
-            ours_step()
-            bare_step()
-        for _ in range(args.rounds):
-            for name, step in (('ours', ours_step), ('bare', bare_step)):
-                for _ in range(args.block):
-                    t0 = time.perf_counter()
-                    step()
-                    times[name].append((time.perf_counter() - t0) * 1e3)
+        times = interleaved_times({'ours': ours_step, 'bare': bare_step}, args.rounds, warmup=args.warmup,
+                                  block=args.block)
         pipe = []
         batches = iter(trainer.train_loader.epoch(1))
         for _ in range(min(20, len(trainer.train_loader) - 1)):

@@ -261,3 +261,12 @@ def test_bench_points_out_models_whose_fresh_pages_differ(monkeypatch, capsys):
     assert 'fresh pages' in out and '114,270' in out
     assert ('note: deit_tiny_patch16_224 (baseline) took 114,270 fresh pages per batch and afbo_deit_tiny_patch16_224 '
             '0: the ratio includes glibc zero-filling them; --steady-malloc compares compute') in out
+
+
+def test_interleaved_times_takes_turns_in_blocks_after_the_warm_up():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ('a', 'b')}
+    times = latency.interleaved_times(fns, repeats=2, warmup=1, block=2)
+    assert calls == ['a', 'b'] + ['a', 'a', 'b', 'b'] * 2  # one untimed round, then blocks of 2 calls each
+    assert {k: len(v) for k, v in times.items()} == {'a': 4, 'b': 4}
+    assert all(t >= 0 for v in times.values() for t in v)

@@ -20,7 +20,7 @@ import statistics
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from torch import nn
 from .allocator import minor_page_faults
 
 __all__ = ['LatencyResult', 'benchmark_models', 'fixed_threads', 'check_bench_options', 'BenchOptionError',
-           'amp_kernel_note', 'step_timer', 'AMP_DTYPES',
+           'amp_kernel_note', 'step_timer', 'interleaved_times', 'AMP_DTYPES',
            'COMPILE_MODES', 'WallTimer', 'CudaEventTimer', 'timm_record']
 
 AMP_DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
@@ -86,6 +86,24 @@ def fixed_threads(num_threads: Optional[int]):
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(old)
+
+
+def interleaved_times(fns: Dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                      block: int = 1) -> Dict[str, List[float]]:
+    """Wall-clock ms of every call of each function, the functions taking turns (``block`` calls of one, then
+    the next), so a change of load on the machine hits all of them alike; ``warmup`` untimed rounds first.
+    For CPU work, and for GPU work that synchronizes itself; a model on a GPU: ``benchmark_models``."""
+    times = {name: [] for name in fns}
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            for _ in range(block):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 class BenchOptionError(ValueError):
