@@ -7,7 +7,7 @@ Command (results and discussion: docs/afbo.md):
     .venv/bin/python benchmarks/afbo_latency.py --threads 2 --runs 5 --layer-repeats 0   # target + stability
     .venv/bin/python benchmarks/afbo_latency.py --threads 2 --runs 5 --layer-repeats 0 --steady-malloc
 
-Target (issue 15): AFBO-T at most 1.08x the latency of DeiT-T at batch 32, stable over repeated
+Target: AFBO-T at most 1.08x the latency of DeiT-T at batch 32, stable over repeated
 runs; the last line of part 1 gives the verdict on the median over ``--runs`` interleaved runs
 (model order reversed every other run) with their min / median / max.
 
@@ -51,7 +51,7 @@ from vitblocks.profile import fault_note, fixed_threads, input_size_of, interlea
 
 from _ratio_runs import add_malloc_option, apply_malloc_option, forward_ops, interleaved_runs, target_line
 
-TARGET = 1.08  # AFBO-T / DeiT-T median latency, batch 32 (issue 15)
+TARGET = 1.08  # AFBO-T / DeiT-T median latency, batch 32
 
 
 def parse_args(argv=None):

@@ -9,7 +9,7 @@ Command (results and discussion: docs/iffn_speed.md):
     .venv/bin/python benchmarks/iffn_latency.py --threads 2 --breakdown-repeats 0 --steady-malloc \
         --compile --compile-chunk-bytes 8388608 16777216    # + compiled with batch slices kept
 
-Target (issue 15): the deployed IFFN-S at most 0.95x the latency of DeiT-S at batch 32; the line
+Target: the deployed IFFN-S at most 0.95x the latency of DeiT-S at batch 32; the line
 after the eager table gives the verdict on the median over ``--runs`` interleaved runs (model
 order reversed every other run) with their min / median / max.
 
@@ -60,7 +60,7 @@ from vitblocks.profile import count_macs, fault_note, fixed_threads, input_size_
 from _ratio_runs import (add_malloc_option, apply_malloc_option, does_work, forward_ops, interleaved_runs,
                          target_line)
 
-TARGET = 0.95  # deployed IFFN-S / DeiT-S median latency, batch 32 (issue 15)
+TARGET = 0.95  # deployed IFFN-S / DeiT-S median latency, batch 32
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """One deployed IFFN FFN at several batch-slice sizes against its baseline's ``Mlp`` (CPU).
 
-Command (results: docs/iffn_speed.md, "Issue 15, 2026-11-28"):
+Command (results: docs/iffn_speed.md, "CPU speed target, 2026-11-28"):
 
     .venv/bin/python benchmarks/iffn_slices.py --threads 2 --steady-malloc
     .venv/bin/python benchmarks/iffn_slices.py --threads 2 --steady-malloc --chunk-bytes 8388608 16777216 0

@@ -4,11 +4,11 @@ Command (results and discussion: docs/repa.md, "Measured speed"):
 
     .venv/bin/python benchmarks/repa_throughput.py                       # batch 16, 2 threads, fp32
     .venv/bin/python benchmarks/repa_throughput.py --repeats 3 --sizes base   # a quick check
-    .venv/bin/python benchmarks/repa_throughput.py --sizes base --runs 5     # the issue-15 target, 5 runs
+    .venv/bin/python benchmarks/repa_throughput.py --sizes base --runs 5     # the target, 5 runs
     .venv/bin/python benchmarks/repa_throughput.py --sizes base --runs 5 --steady-malloc   # no fresh pages
 
-Target (issue 15): deployed RePa-DeiT-B at least 1.80x the images/s of vanilla DeiT-B at batch 16
-(its MACs are 0.60x; the paper reports 1.68x on an A6000 at batch 128); issue 3 asked for 1.65x
+Target: deployed RePa-DeiT-B at least 1.80x the images/s of vanilla DeiT-B at batch 16
+(its MACs are 0.60x; the paper reports 1.68x on an A6000 at batch 128); an earlier target was 1.65x
 and a speed-up that grows with model size (the paper: +32.6%, +54.4%, +67.5% for Ti/S/B). The
 last line prints the target verdict, judged on the median over ``--runs`` interleaved runs.
 
@@ -44,7 +44,7 @@ from vitblocks.profile import count_macs, fault_note, fixed_threads
 from _ratio_runs import add_malloc_option, apply_malloc_option, interleaved_runs, load_average, target_line
 
 SIZES = ('tiny', 'small', 'base')
-TARGET = 1.80  # deployed RePa-DeiT-B / vanilla DeiT-B images/s (issue 15)
+TARGET = 1.80  # deployed RePa-DeiT-B / vanilla DeiT-B images/s
 
 
 def parse_args(argv=None):

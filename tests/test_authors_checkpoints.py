@@ -193,7 +193,7 @@ def test_iffn_deit_checkpoint_loads_through_timm_and_matches_their_forward(tmp_p
 
 
 def test_iffn_deit_head_normalizes_every_token_then_averages():
-    """Issue 14: the authors' head is mean(LayerNorm(tokens)), not timm's LayerNorm(mean(tokens));
+    """The authors' head is mean(LayerNorm(tokens)), not timm's LayerNorm(mean(tokens));
     same parameters (the LayerNorm only moves from ``fc_norm`` to ``norm``)."""
     model = timm.create_model('iffn_deit_tiny_patch16_224', **TINY).eval()
     x = torch.randn(2, 3, IMG, IMG)

@@ -1,4 +1,4 @@
-"""Issue 16: every bad input is one line (exit 2), nothing corrupt passes unnoticed, runs survive
+"""Every bad input is one line (exit 2), nothing corrupt passes unnoticed, runs survive
 being moved, killed and resumed. A one-block 8x8 ViT on tiny synthetic shards, one CPU thread."""
 import csv
 import errno

@@ -46,8 +46,8 @@ class IFFNDeployed(IFFN):
     # CPU path while torch.compile traces it: exact GELUs through the rational erf of
     # layers/rational_gelu.py (same function within 3e-7 relative, ~1.7x faster per element in
     # inductor's CPU kernels); False = torch's GELU. Set per instance or on the class. Needs a torch whose
-    # Dynamo answers is_exporting() truthfully: torch 2.11.0 answers True in every torch.compile (pytorch
-    # issue 176347), and there the eager path is traced instead (torch's GELU); the pinned 2.14.1 answers False.
+    # Dynamo answers is_exporting() truthfully: torch 2.11.0 answers True in every torch.compile (pytorch/pytorch
+    # #176347), and there the eager path is traced instead (torch's GELU); the pinned 2.14.1 answers False.
     compile_rational_gelu: bool = True
 
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
