@@ -347,7 +347,7 @@ class Trainer:
         states = ckpt['rng']
         own_stats = ckpt.get('rank_batchnorm_stats')
         if own_stats is not None and len(own_stats) == self.dist.world_size:  # else: the averaged statistics
-            self._load_own_batchnorm_stats(own_stats[self.dist.rank])
+            self._load_batchnorm_stats(own_stats[self.dist.rank])
         if self.log is not None:  # rows a killed attempt wrote after this checkpoint are recomputed (saved steps)
             self.log.truncate_after(self.global_step)
         if self.dist.rank < len(states):
@@ -526,7 +526,7 @@ class Trainer:
                 raise e from None
             raise
         if self._averaged_stats is not None:  # the trained model, as its last checkpoint has it
-            self._load_own_batchnorm_stats(self._averaged_stats)
+            self._load_batchnorm_stats(self._averaged_stats)
         barrier()
         if self.dist.is_main:
             self._write_results(final, final_ema)
@@ -716,23 +716,26 @@ class Trainer:
         0's buffers before every forward)."""
         own = None
         if self.dist.enabled and not self.cfg.sync_bn and self.cfg.dist_bn != 'none':
-            own = {'model': batchnorm_stats(self.model),
-                   'model_ema': batchnorm_stats(self.ema.module) if self.ema is not None else {}}
+            own = self._batchnorm_stats()
             own = own if own['model'] or own['model_ema'] else None
         self._sync_batchnorm_stats()
         if own is not None:
-            self._averaged_stats = {'model': batchnorm_stats(self.model),
-                                    'model_ema': batchnorm_stats(self.ema.module) if self.ema is not None else {}}
+            self._averaged_stats = self._batchnorm_stats()
         try:
             yield own
         finally:
             if own is not None:
-                self._load_own_batchnorm_stats(own)
+                self._load_batchnorm_stats(own)
 
-    def _load_own_batchnorm_stats(self, own: Dict[str, Any]) -> None:
-        load_batchnorm_stats(self.model, own['model'])
+    def _batchnorm_stats(self) -> Dict[str, Any]:
+        """CPU copies of the BatchNorm running statistics of the model and of its EMA."""
+        return {'model': batchnorm_stats(self.model),
+                'model_ema': batchnorm_stats(self.ema.module) if self.ema is not None else {}}
+
+    def _load_batchnorm_stats(self, stats: Dict[str, Any]) -> None:
+        load_batchnorm_stats(self.model, stats['model'])
         if self.ema is not None:
-            load_batchnorm_stats(self.ema.module, own['model_ema'])
+            load_batchnorm_stats(self.ema.module, stats['model_ema'])
 
     def _sync_batchnorm_stats(self) -> None:
         """Every rank's BatchNorm running statistics made equal (``dist_bn``) before an evaluation or a save: the
@@ -746,7 +749,7 @@ class Trainer:
     def _evaluate(self, stop: Callable[[], bool]):
         """The model's and the EMA's evaluation, logged (best.pth on a new best top-1); None, with nothing logged or
         saved, if ``stop`` ended either early (only ``_evaluate_or_stop`` calls it)."""
-        res = res_ema = None
+        res_ema = None
         with self._averaged_batchnorm_stats():
             res = evaluate(self.model, self.val_loader, self.num_classes, self.device, autocast=self.autocast(),
                            progress=self.progress.mode, stop=stop)
