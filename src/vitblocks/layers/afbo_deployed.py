@@ -22,7 +22,8 @@ from torch import nn
 from ..kernels import kernels_usable
 from .activations import act_fn_
 from .afbo import AFBO
-from .layout import autocasting, batch_slice_size, check_grid
+from .layout import (autocasting, batch_slice_size, building_graph, check_grid, conv_channels_last, exporting,
+                     plain_eager_inference)
 
 __all__ = ['AFBODeployed']
 
@@ -49,19 +50,71 @@ class AFBODeployed(AFBO):
         self.layout.set_grid(feat_size)
         # the fast paths are eager-only: TorchScript runs the reference, and so does torch.export (the CPU
         # path's Python loop over batch slices would fix the batch size)
-        if not torch.jit.is_scripting():
-            if not (self.training or torch.is_grad_enabled()) and self.has_fast_path():
-                # not under autocast (its out= matmuls would stay fp32), nor while torch.compile traces (dynamo
-                # cannot trace out= into strided views; inductor fuses the reference ops itself)
-                if x.device.type == 'cpu' and not autocasting(x) and not torch.compiler.is_compiling():
-                    return self._forward_cpu(x)
-                if kernels_usable(x):
-                    return self._forward_fused(x)
+        if not torch.jit.is_scripting() and self.has_fast_path():
+            if not (self.training or torch.is_grad_enabled()) and exporting():
+                return self._forward_export(x)
+            # the CPU path only in a plain eager call: not under autocast (its out= matmuls would stay fp32), nor
+            # while a graph is recorded (compile, export, jit.trace: inductor fuses the reference ops itself, and
+            # an exported program must hold no out= op or batch loop), nor under vmap
+            if x.device.type == 'cpu' and plain_eager_inference(x, self.training):
+                return self._forward_cpu(x)
+            if not (self.training or torch.is_grad_enabled() or building_graph()) and kernels_usable(x):
+                return self._forward_fused(x)
         return self._forward_reference(x)
 
     def fuse(self) -> 'AFBODeployed':
         """Already deployed: returns self (re-parameterizing twice is safe)."""
         return self
+
+    # -- export: the graph another runtime gets ------------------------------------------------
+    @torch.jit.unused
+    def _forward_export(self, x: torch.Tensor) -> torch.Tensor:
+        """The inference numbers as a plain graph for ``torch.export`` / ONNX (no in-place op, no batch loop).
+
+        * Each channel map is one dense matmul with its zero blocks (:meth:`ChannelMap.export_weight`, a
+          constant to the runtime): in ONNX Runtime that beat every grouped form (docs/cpu_deploy.md).
+        * Tokens and channels-last maps stay channels-last, the depthwise convs' layout changes right
+          around them (:func:`~vitblocks.layers.layout.conv_channels_last`, folded into ONNX Runtime's conv
+          reorders); channels-first maps (PoolFormer) stay channels-first, the maps and fc2 as 1x1 convs.
+        * Prefix tokens (no spatial op) go through the maps, product and fc2 on their own and join the patch
+          tokens' output after fc2, where it is ``d`` wide rather than ``Md`` wide.
+        """
+        spatial = self.spatial_kind is not None
+        w_left, w_right = self.left_map.export_weight(), self.right_map.export_weight()  # (Md, d) each
+        b_left, b_right = self.left_map.bias, self.right_map.bias
+        w2, b2 = self.fc2.weight, self.fc2.bias
+        if self.layout.channels_first:
+            if x.ndim != 4:
+                raise ValueError(f'AFBO (channels_first) expects (B, C, H, W), got shape {list(x.shape)}')
+            left = F.conv2d(x, w_left[:, :, None, None], b_left)  # (B, d, H, W) -> (B, Md, H, W)
+            right = F.conv2d(x, w_right[:, :, None, None], b_right)
+            if spatial:
+                left, right = self.left_spatial(left), self.right_spatial(right)
+            return F.conv2d(self._combine(left, right), w2[:, :, None, None], b2)  # (B, Md, H, W) -> (B, d, H, W)
+        prefix = None
+        tokens_as_map = x.ndim == 3 and spatial
+        if tokens_as_map:  # tokens: the patch tokens as a channels-last map, prefix tokens set aside
+            batch, n, d = x.shape
+            gh, gw = check_grid(self.layout, n, type(self).__name__)
+            p = self.layout.num_prefix_tokens
+            if p:
+                prefix, x = x[:, :p], x[:, p:]
+            x = x.reshape(batch, gh, gw, d)  # (B, H*W, d) -> (B, H, W, d)
+        elif x.ndim not in (3, 4):
+            raise ValueError(f'AFBO expects tokens (B, N, C) or a map, got shape {list(x.shape)}')
+        self.left_map.check_width(x)
+        left, right = F.linear(x, w_left, b_left), F.linear(x, w_right, b_right)  # (..., d) -> (..., Md)
+        if spatial:
+            left = conv_channels_last(self.left_spatial, left)
+            right = conv_channels_last(self.right_spatial, right)
+        out = F.linear(self._combine(left, right), w2, b2)  # (..., Md) -> (..., d)
+        if not tokens_as_map:
+            return out
+        out = out.flatten(1, 2)  # (B, H, W, d) -> (B, H*W, d)
+        if prefix is None:
+            return out
+        z = self._combine(F.linear(prefix, w_left, b_left), F.linear(prefix, w_right, b_right))  # (B, P, Md)
+        return torch.cat([F.linear(z, w2, b2), out], dim=1)  # (B, P + H*W, d)
 
     # -- CUDA: one grouped GEMM, one fused spatial/product kernel, fc2 in cuBLAS ----------------
     @torch.jit.unused
