@@ -23,6 +23,7 @@ from ..kernels import kernels_usable
 from .activations import act_fn_
 from .afbo import AFBO
 from .layout import autocasting, batch_slice_size, check_grid
+from .registry import register_deployed_form
 
 __all__ = ['AFBODeployed']
 
@@ -196,3 +197,5 @@ class AFBODeployed(AFBO):
                      groups=conv.groups)  # (b, C, H, W) channels-last in, channels-last out
         return y.permute(0, 2, 3, 1)
 
+
+register_deployed_form('afbo', AFBODeployed)
