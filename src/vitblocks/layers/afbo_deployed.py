@@ -24,6 +24,7 @@ from .activations import act_fn_
 from .afbo import AFBO
 from .layout import (autocasting, batch_slice_size, building_graph, check_grid, conv_channels_last, exporting,
                      plain_eager_inference)
+from .registry import register_deployed_form
 
 __all__ = ['AFBODeployed']
 
@@ -249,3 +250,5 @@ class AFBODeployed(AFBO):
                      groups=conv.groups)  # (b, C, H, W) channels-last in, channels-last out
         return y.permute(0, 2, 3, 1)
 
+
+register_deployed_form('afbo', AFBODeployed)
