@@ -22,6 +22,7 @@ from torch import nn
 # /proc/cpuinfo flags that decide which fp32 GEMM kernels a runtime can use
 ISA_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512bw', 'avx512_vnni', 'avx512_bf16', 'avx_vnni', 'amx_tile', 'amx_bf16',
              'amx_int8')
+CPU_ID = ('vendor_id', 'cpu family', 'model', 'stepping', 'cache size')  # /proc/cpuinfo fields naming the CPU
 PACKAGES = ('torch', 'timm', 'vitblocks', 'onnx', 'onnxscript', 'onnxruntime', 'openvino')
 
 
@@ -53,6 +54,7 @@ def machine() -> Dict[str, object]:
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
     return dict(cpu=info.get('model name') or platform.processor() or platform.machine(),
+                cpu_id=', '.join(f'{k} {info[k]}' for k in CPU_ID if k in info),
                 isa=[f for f in ISA_FLAGS if f in flags], torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
                 logical_cpus=os.cpu_count(), python=platform.python_version(), versions=versions)
 

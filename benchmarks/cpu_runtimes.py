@@ -43,6 +43,7 @@ from sessions of their own (profiling slows a session, so the timed ones run wit
 ONNX files beside them, and prints the op types that take the time, with their share.
 """
 import argparse
+import ast
 import re
 import statistics
 import tempfile
@@ -59,7 +60,7 @@ from vitblocks.deploy import reparameterize
 from vitblocks.deploy.export import export_onnx
 from vitblocks.profile import count_macs, fixed_threads, input_size_of, interleaved_times
 
-from _cpu_runtimes import RUNTIMES, RuntimeUnavailable, as_tensor, machine, op_profile
+from _cpu_runtimes import ISA_FLAGS, RUNTIMES, RuntimeUnavailable, as_tensor, machine, op_profile
 from _cpu_runtimes_report import markdown, print_profile, verdict_lines, write_outputs
 from _ratio_runs import load_average
 
@@ -121,6 +122,9 @@ def parse_args(argv=None):
     p.add_argument('--pair', nargs=2, action='append', default=[], metavar=('DEPLOYED', 'VANILLA'),
                    help='another pair of registered models (repeatable): DEPLOYED is deployed with '
                         'reparameterize, VANILLA runs as built; no target')
+    p.add_argument('--model-arg', action='append', default=[], metavar='KEY=VALUE',
+                   help='a keyword of timm.create_model for both models of every pair (repeatable; VALUE a Python '
+                        'literal, e.g. depth=2 or img_size=160)')
     p.add_argument('--runtimes', nargs='+', choices=list(RUNTIMES),
                    help=f'runtimes, in this order (default: {", ".join(RUNTIMES)}; those not installed are skipped '
                         f'with the reason; one named here that is not installed is an error)')
@@ -153,6 +157,15 @@ def parse_args(argv=None):
         p.error('--ort-profile profiles ONNX Runtime: add onnxruntime to --runtimes or drop --ort-profile')
     if args.out is not None and args.out.suffix not in ('', '.md', '.json'):
         p.error(f'--out {args.out}: give a name with suffix .md or .json (both files are written)')
+    args.model_kwargs = {}
+    for item in args.model_arg:
+        key, eq, value = item.partition('=')
+        if not eq or not key.isidentifier():
+            p.error(f'--model-arg {item!r}: expected KEY=VALUE, e.g. depth=2')
+        try:
+            args.model_kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            args.model_kwargs[key] = value  # a bare word: a string (act_layer=gelu)
     args.pairs = [PAIRS[k] for k in (args.models or ([] if args.pair else list(PAIRS)))]
     args.pairs += [Pair(f'{d} / {v}', d, v) for d, v in args.pair]
     if not args.pairs:
@@ -177,9 +190,12 @@ def open_runtimes(args) -> Dict[str, type]:
     return chosen
 
 
-def build(name: str, seed: int, deploy: bool) -> torch.nn.Module:
+def build(name: str, seed: int, deploy: bool, model_kwargs: dict) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = timm.create_model(name)
+    try:
+        model = timm.create_model(name, **model_kwargs)
+    except TypeError as e:
+        raise SystemExit(f'--model-arg {model_kwargs}: {name} does not take it ({e})') from None
     return reparameterize(model) if deploy else model.eval()
 
 
@@ -280,8 +296,8 @@ def _file_stem(pair: Pair) -> str:
 
 def run_pair(pair: Pair, runtimes: Dict[str, type], onnx_dir: Path, args) -> List[dict]:
     print(f'\n{pair.label}: {pair.deployed} (deployed) against {pair.vanilla}')
-    models = {'deployed': build(pair.deployed, args.seed, deploy=True),
-              'vanilla': build(pair.vanilla, args.seed, deploy=False)}
+    models = {'deployed': build(pair.deployed, args.seed, True, args.model_kwargs),
+              'vanilla': build(pair.vanilla, args.seed, False, args.model_kwargs)}
     size = input_size_of(models['vanilla'])
     if input_size_of(models['deployed']) != size:
         raise SystemExit(f'{pair.label}: the models take different inputs ({input_size_of(models["deployed"])} '
@@ -323,16 +339,19 @@ def run_pair(pair: Pair, runtimes: Dict[str, type], onnx_dir: Path, args) -> Lis
 
 def header(args, runtimes) -> Dict[str, object]:
     info = machine()
-    info.update(threads=args.threads, runtimes=list(runtimes), batch_sizes=args.batch_sizes, runs=args.runs,
+    info.update(threads=args.threads, model_kwargs=args.model_kwargs, runtimes=list(runtimes),
+                batch_sizes=args.batch_sizes, runs=args.runs,
                 rounds=args.rounds, warmup=args.warmup, seed=args.seed, check_tol=args.check_tol,
                 load_average=load_average())
     versions = ', '.join(f'{k} {v}' for k, v in info['versions'].items() if v)
-    print(f'{info["cpu"]}; ISA {" ".join(info["isa"]) or "none of " + "/".join(("avx2", "avx512f", "amx_tile"))}; '
+    isa = ' '.join(info['isa']) or 'none of ' + ', '.join(ISA_FLAGS)
+    print(f'{info["cpu"]} ({info["cpu_id"]}); ISA {isa}; '
           f'torch CPU capability {info["torch_cpu_capability"]}; {info["logical_cpus"]} logical CPUs, '
           f'load average {info["load_average"]}')
     print(f'{args.threads} intra-op thread(s) in every runtime; fp32, inference mode; random weights (seed '
           f'{args.seed}: latency does not depend on their values); Python {info["python"]}, {versions}')
-    print(f'batch sizes {args.batch_sizes}; {args.runs} run(s) of {args.warmup} warm-up + {args.rounds} timed '
+    built = f'; models built with {args.model_kwargs}' if args.model_kwargs else ''
+    print(f'batch sizes {args.batch_sizes}{built}; {args.runs} run(s) of {args.warmup} warm-up + {args.rounds} timed '
           f'rounds; ratio = deployed ms / vanilla ms (latency; throughput ratio = its inverse)')
     return info
 
