@@ -85,7 +85,7 @@ class Eager:
     name, label, needs_onnx = 'eager', 'PyTorch eager', False
 
     def __init__(self, threads: int):
-        self.threads = threads
+        self.threads = threads  # the caller holds torch.set_num_threads(threads)
 
     def load(self, model: nn.Module, onnx_path: Optional[Path]) -> Loaded:
         return Loaded(lambda x: lambda: model(x))  # the caller holds torch.inference_mode
@@ -95,27 +95,40 @@ class Eager:
 
 
 class Compiled(Eager):
-    """``torch.compile`` with its default backend (inductor, C++/OpenMP kernels on the CPU), static shapes: one
-    graph per batch size, compiled by the first call (the output check), whose time is reported."""
+    """``torch.compile`` with its default backend (inductor, C++/OpenMP kernels on the CPU) in ``mode``, static
+    shapes: one graph per batch size, compiled by the first call (the output check), whose time is reported.
+    ``freezing``: inductor's ``freezing`` option (weights folded in as constants and prepacked for oneDNN,
+    what inductor recommends for CPU inference), set while this runtime is open."""
     name, label = 'compile', 'torch.compile'
 
+    def __init__(self, threads: int, mode: str = 'default', freezing: bool = False):
+        super().__init__(threads)
+        import torch._inductor.config as inductor_config
+        self.mode, self.inductor_config = mode, inductor_config
+        self.old_freezing, inductor_config.freezing = inductor_config.freezing, freezing
+
     def load(self, model: nn.Module, onnx_path: Optional[Path]) -> Loaded:
-        compiled = torch.compile(model, dynamic=False)
+        compiled = torch.compile(model, mode=self.mode, dynamic=False)
         return Loaded(lambda x: lambda: compiled(x))
 
     def close(self) -> None:
+        self.inductor_config.freezing = self.old_freezing
         torch._dynamo.reset()  # drops the compiled graphs and the models they hold
         gc.collect()
 
 
 class OnnxRuntime:
     """``onnxruntime.InferenceSession`` on the CPU provider: all graph optimisations, ``threads`` intra-op
-    threads, one inter-op thread, sequential execution; the exported file as is (dynamic batch)."""
+    threads, one inter-op thread, sequential execution; the exported file as is (dynamic batch).
+
+    Each session has its own thread pool, whose workers by default spin for a moment after each parallel
+    section before they sleep; with two sessions taking turns, that spinning overlaps the other session's
+    run on a machine with few cores. ``spinning=False`` sets ``session.intra_op.allow_spinning`` to 0."""
     name, label, needs_onnx = 'onnxruntime', 'ONNX Runtime', True
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, spinning: bool = True):
         _needs('onnxruntime', 'ONNX Runtime', 'export')
-        self.threads = threads
+        self.threads, self.spinning = threads, spinning
         self.sessions = []
 
     def session(self, onnx_path: Path, profile_prefix: Optional[Path] = None):
@@ -125,6 +138,8 @@ class OnnxRuntime:
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        if not self.spinning:
+            options.add_session_config_entry('session.intra_op.allow_spinning', '0')
         if profile_prefix is not None:
             options.enable_profiling = True
             options.profile_file_prefix = str(profile_prefix)

@@ -38,6 +38,10 @@ of a run is deployed median ms / vanilla median ms (latency ratio: below 1 the d
 the throughput ratio is its inverse); the table gives the median over runs with min-max. The MAC ratio is
 ``vitblocks.profile.count_macs`` (attention included) of one image.
 
+Runtime options: ``--compile-mode`` and ``--inductor-freezing`` (torch.compile), ``--ort-spinning off``
+(ONNX Runtime's workers sleep instead of spinning between calls, so neither session's idle threads compete
+with the other's run). Models other than the registered ones at 224 px: ``--pair`` and ``--model-arg``.
+
 ``--ort-profile DIR`` writes ONNX Runtime's per-op profile (JSON) of each model at each batch size to DIR,
 from sessions of their own (profiling slows a session, so the timed ones run without), with the exported
 ONNX files beside them, and prints the op types that take the time, with their share.
@@ -58,9 +62,9 @@ import torch
 import vitblocks  # noqa: F401  (registers the deployed models' architectures with timm)
 from vitblocks.deploy import reparameterize
 from vitblocks.deploy.export import export_onnx
-from vitblocks.profile import count_macs, fixed_threads, input_size_of, interleaved_times
+from vitblocks.profile import COMPILE_MODES, count_macs, fixed_threads, input_size_of, interleaved_times
 
-from _cpu_runtimes import ISA_FLAGS, RUNTIMES, RuntimeUnavailable, as_tensor, machine, op_profile
+from _cpu_runtimes import ISA_FLAGS, RUNTIMES, Compiled, OnnxRuntime, RuntimeUnavailable, as_tensor, machine, op_profile
 from _cpu_runtimes_report import markdown, print_profile, verdict_lines, write_outputs
 from _ratio_runs import load_average
 
@@ -135,6 +139,13 @@ def parse_args(argv=None):
                    help='interleaved runs, order reversed every other one; ratios give min/median/max (default 3)')
     p.add_argument('--rounds', type=int, default=10, help='timed calls per model in a run, median kept (default 10)')
     p.add_argument('--warmup', type=int, default=2, help='untimed rounds before each run (default 2)')
+    p.add_argument('--compile-mode', choices=COMPILE_MODES, default='default',
+                   help="torch.compile's mode (default: default)")
+    p.add_argument('--inductor-freezing', action='store_true',
+                   help="torch.compile with inductor's freezing (weights as constants, prepacked for oneDNN)")
+    p.add_argument('--ort-spinning', choices=('on', 'off'), default='on',
+                   help="ONNX Runtime's worker threads spin after each parallel section (on: its default) or sleep "
+                        '(off: no spinning session overlaps the other one\'s run)')
     p.add_argument('--targets', action='store_true', help='judge the targets above: a verdict per ratio')
     p.add_argument('--check-tol', type=float, default=1e-3,
                    help="largest max abs error of a runtime's output against eager PyTorch, relative to the "
@@ -153,6 +164,10 @@ def parse_args(argv=None):
         p.error(f'--batch-sizes takes distinct sizes >= 1, got {args.batch_sizes}')
     if not args.check_tol > 0:  # also refuses nan
         p.error(f'--check-tol must be a positive number, got {args.check_tol}')
+    for flag, default, runtime in (('compile_mode', 'default', 'compile'), ('inductor_freezing', False, 'compile'),
+                                   ('ort_spinning', 'on', 'onnxruntime')):
+        if getattr(args, flag) != default and args.runtimes is not None and runtime not in args.runtimes:
+            p.error(f'--{flag.replace("_", "-")} is an option of the {runtime} runtime, which --runtimes leaves out')
     if args.ort_profile is not None and args.runtimes is not None and 'onnxruntime' not in args.runtimes:
         p.error('--ort-profile profiles ONNX Runtime: add onnxruntime to --runtimes or drop --ort-profile')
     if args.out is not None and args.out.suffix not in ('', '.md', '.json'):
@@ -173,12 +188,21 @@ def parse_args(argv=None):
     return args
 
 
+def make_runtime(name: str, args):
+    """The runtime ``name`` (see _cpu_runtimes.py) with the options of the command line."""
+    if name == 'compile':
+        return Compiled(args.threads, mode=args.compile_mode, freezing=args.inductor_freezing)
+    if name == 'onnxruntime':
+        return OnnxRuntime(args.threads, spinning=args.ort_spinning == 'on')
+    return RUNTIMES[name](args.threads)
+
+
 def open_runtimes(args) -> Dict[str, type]:
     """The runtimes to run, by name; skips (printing why) a default one that is not installed."""
     chosen = {}
     for name in args.runtimes or list(RUNTIMES):
         try:
-            RUNTIMES[name](args.threads).close()
+            make_runtime(name, args).close()
         except RuntimeUnavailable as e:
             if args.runtimes:
                 raise SystemExit(f'--runtimes {name}: {e}') from None
@@ -294,6 +318,20 @@ def _file_stem(pair: Pair) -> str:
     return re.sub(r'[^A-Za-z0-9_.-]+', '_', pair.deployed + '__' + pair.vanilla)
 
 
+def failed_records(pair: Pair, runtime: str, batch_sizes, mac_ratio: float, error: Exception) -> List[dict]:
+    return [dict(pair=pair.label, deployed=pair.deployed, vanilla=pair.vanilla, batch=b, runtime=runtime,
+                 mac_ratio=mac_ratio, status='failed', error=f'{type(error).__name__}: {error}') for b in batch_sizes]
+
+
+def export_pair(pair: Pair, models, size, onnx_dir: Path) -> Dict[str, Path]:
+    paths = {}
+    for role, model in models.items():
+        t0 = time.perf_counter()
+        paths[role] = export_onnx(model, onnx_dir / f'{_file_stem(pair)}_{role}.onnx', size)
+        print(f'  exported {role} to ONNX in {time.perf_counter() - t0:.1f} s: {paths[role]}')
+    return paths
+
+
 def run_pair(pair: Pair, runtimes: Dict[str, type], onnx_dir: Path, args) -> List[dict]:
     print(f'\n{pair.label}: {pair.deployed} (deployed) against {pair.vanilla}')
     models = {'deployed': build(pair.deployed, args.seed, True, args.model_kwargs),
@@ -306,41 +344,49 @@ def run_pair(pair: Pair, runtimes: Dict[str, type], onnx_dir: Path, args) -> Lis
     mac_ratio = macs['deployed'] / macs['vanilla']
     print(f'  MACs per image: deployed {macs["deployed"] / 1e9:.3f} G, vanilla {macs["vanilla"] / 1e9:.3f} G, '
           f'ratio {mac_ratio:.3f}x; input {size}')
-    onnx_paths = {}
+    onnx_paths, export_error = {}, None
     if any(r.needs_onnx for r in runtimes.values()):
-        for role, model in models.items():
-            t0 = time.perf_counter()
-            onnx_paths[role] = export_onnx(model, onnx_dir / f'{_file_stem(pair)}_{role}.onnx', size)
-            print(f'  exported {role} to ONNX in {time.perf_counter() - t0:.1f} s: {onnx_paths[role]}')
+        try:
+            onnx_paths = export_pair(pair, models, size, onnx_dir)
+        except Exception as e:  # the ONNX runtimes of this pair are reported failed; the others go on
+            export_error = e
+            print(f'  ONNX export FAILED: {type(e).__name__}: {e}')
     gen = torch.Generator().manual_seed(args.seed)
     inputs = {b: torch.randn(b, *size, generator=gen) for b in args.batch_sizes}
     with torch.inference_mode():
         refs = {b: {role: m(x).float().clone() for role, m in models.items()} for b, x in inputs.items()}
     records = []
     for name, runtime_class in runtimes.items():
-        runtime = runtime_class(args.threads)
+        if runtime_class.needs_onnx and export_error is not None:
+            records += failed_records(pair, name, inputs, mac_ratio, export_error)
+            continue
+        runtime = make_runtime(name, args)
         try:
-            try:
-                with torch.inference_mode():
-                    records += run_runtime(runtime, pair, models, onnx_paths, inputs, refs, mac_ratio, args)
-            except Exception as e:  # loading failed: every batch size of this runtime is reported failed
-                print(f'  {runtime.label}: FAILED to load: {type(e).__name__}: {e}')
-                records += [dict(pair=pair.label, deployed=pair.deployed, vanilla=pair.vanilla, batch=b,
-                                 runtime=name, mac_ratio=mac_ratio, status='failed',
-                                 error=f'{type(e).__name__}: {e}') for b in inputs]
-                continue
-            if name == 'onnxruntime' and args.ort_profile is not None:
-                profile_ort(runtime, pair, onnx_paths, inputs, args,
-                            [r for r in records if r['runtime'] == name and r['pair'] == pair.label])
+            with torch.inference_mode():
+                records += run_runtime(runtime, pair, models, onnx_paths, inputs, refs, mac_ratio, args)
+        except Exception as e:  # loading failed: every batch size of this runtime is reported failed
+            print(f'  {runtime.label}: FAILED to load: {type(e).__name__}: {e}')
+            records += failed_records(pair, name, inputs, mac_ratio, e)
+            continue
         finally:
             runtime.close()
+        if name == 'onnxruntime' and args.ort_profile is not None:
+            try:
+                profile_ort(runtime, pair, onnx_paths, inputs, args, [r for r in records if r['runtime'] == name])
+            except Exception as e:  # the timings stand; say why there is no profile
+                print(f'  ONNX Runtime profile FAILED: {type(e).__name__}: {e}')
+    if args.ort_profile is None:  # the files are kept beside the profiles only
+        for path in onnx_paths.values():
+            for f in (path, path.with_name(path.name + '.data')):
+                f.unlink(missing_ok=True)
     return records
 
 
 def header(args, runtimes) -> Dict[str, object]:
     info = machine()
     info.update(threads=args.threads, model_kwargs=args.model_kwargs, runtimes=list(runtimes),
-                batch_sizes=args.batch_sizes, runs=args.runs,
+                compile_mode=args.compile_mode, inductor_freezing=args.inductor_freezing,
+                ort_spinning=args.ort_spinning, batch_sizes=args.batch_sizes, runs=args.runs,
                 rounds=args.rounds, warmup=args.warmup, seed=args.seed, check_tol=args.check_tol,
                 load_average=load_average())
     versions = ', '.join(f'{k} {v}' for k, v in info['versions'].items() if v)

@@ -137,6 +137,21 @@ def test_cpu_runtimes_times_a_pair_in_eager_and_onnxruntime(benchmarks_on_path, 
     assert sorted(p.suffix for p in (tmp_path / 'profile').glob('*')) == ['.json'] * 4 + ['.onnx'] * 2
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not all(importlib.util.find_spec(p) for p in ('onnx', 'onnxscript', 'openvino')),
+                    reason='needs onnx, onnxscript and openvino')
+def test_cpu_runtimes_times_a_pair_compiled_and_in_openvino(benchmarks_on_path, capsys):
+    import cpu_runtimes
+    records = cpu_runtimes.main([*TINY_PAIR, *QUICK, '--runtimes', 'compile', 'openvino', '--batch-sizes', '1', '3',
+                                 '--inductor-freezing'])
+    assert [(r['runtime'], r['batch'], r['status']) for r in records] == [
+        ('compile', 1, 'ok'), ('compile', 3, 'ok'), ('openvino', 1, 'ok'), ('openvino', 3, 'ok')]
+    for r in records:
+        assert math.isfinite(r['ratio']) and r['ratio'] > 0
+        assert r['deployed_check']['max_abs_error'] < 1e-4 and r['vanilla_check']['max_abs_error'] < 1e-4
+    assert sorted(_ratio_rows(capsys.readouterr().out)) == [1, 3]
+
+
 def test_cpu_runtimes_reports_a_wrong_runtime_as_wrong_not_as_a_speed_up(benchmarks_on_path, capsys, monkeypatch):
     import _cpu_runtimes
     import cpu_runtimes
@@ -177,6 +192,8 @@ def test_cpu_runtimes_judges_each_target_on_the_median_over_runs(benchmarks_on_p
     (['--model-arg', 'depth'], "--model-arg 'depth': expected KEY=VALUE"),
     (['--out', 'table.csv'], 'give a name with suffix .md or .json'),
     (['--models', 'deit'], "invalid choice: 'deit'"),
+    (['--runtimes', 'eager', '--ort-spinning', 'off'], '--ort-spinning is an option of the onnxruntime runtime'),
+    (['--runtimes', 'onnxruntime', '--inductor-freezing'], '--inductor-freezing is an option of the compile runtime'),
 ])
 def test_cpu_runtimes_refuses_bad_arguments(benchmarks_on_path, capsys, args, message):
     import cpu_runtimes
