@@ -56,7 +56,8 @@ def machine() -> Dict[str, object]:
     return dict(cpu=info.get('model name') or platform.processor() or platform.machine(),
                 cpu_id=', '.join(f'{k} {info[k]}' for k in CPU_ID if k in info),
                 isa=[f for f in ISA_FLAGS if f in flags], torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                logical_cpus=os.cpu_count(), python=platform.python_version(), versions=versions)
+                float32_matmul_precision=torch.get_float32_matmul_precision(), logical_cpus=os.cpu_count(),
+                python=platform.python_version(), versions=versions)
 
 
 def as_tensor(out) -> torch.Tensor:

@@ -87,9 +87,14 @@ def write_outputs(out: Path, info: Dict[str, object], records: List[dict], table
     md, js = out.with_suffix('.md'), out.with_suffix('.json')
     md.parent.mkdir(parents=True, exist_ok=True)
     versions = ', '.join(f'{k} {v}' for k, v in info['versions'].items() if v)
-    md.write_text(f'{info["cpu"]}; ISA {" ".join(info["isa"])}; torch CPU capability '
-                  f'{info["torch_cpu_capability"]}; {info["threads"]} intra-op thread(s); {versions}; batch sizes '
-                  f'{info["batch_sizes"]}, {info["runs"]} run(s) of {info["warmup"]} warm-up + {info["rounds"]} '
-                  f'timed rounds; load average {info["load_average"]}\n\n{table}\n')
+    options = [f'torch.compile mode {info["compile_mode"]}' + (' with inductor freezing' * info['inductor_freezing']),
+               f'ONNX Runtime spinning {info["ort_spinning"]}']
+    if info['model_kwargs']:
+        options.append(f'models built with {info["model_kwargs"]}')
+    options = '; '.join(options)
+    md.write_text(f'{info["cpu"]} ({info["cpu_id"]}); ISA {" ".join(info["isa"])}; torch CPU capability '
+                  f'{info["torch_cpu_capability"]}; {info["threads"]} intra-op thread(s); {versions}; {options}; '
+                  f'batch sizes {info["batch_sizes"]}, {info["runs"]} run(s) of {info["warmup"]} warm-up + '
+                  f'{info["rounds"]} timed rounds; load average {info["load_average"]}\n\n{table}\n')
     js.write_text(json.dumps(dict(machine=info, records=records), indent=1) + '\n')
     return [md, js]

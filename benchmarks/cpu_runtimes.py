@@ -5,10 +5,12 @@ Command (2 intra-op threads in every runtime; all pairs, all runtimes installed,
     .venv/bin/python benchmarks/cpu_runtimes.py --targets                       # the table and the verdicts
     .venv/bin/python benchmarks/cpu_runtimes.py --targets --out cpu_runtimes.md # also cpu_runtimes.md / .json
     .venv/bin/python benchmarks/cpu_runtimes.py --models afbo-deit-t --runtimes onnxruntime --ort-profile prof/
-    .venv/bin/python benchmarks/cpu_runtimes.py --pair iffn_deit_small_patch16_224 deit_small_patch16_224 \\
-        --runtimes eager onnxruntime --batch-sizes 1 32 --runs 5
+    .venv/bin/python benchmarks/cpu_runtimes.py --models iffn-deit-s --runtimes eager onnxruntime \\
+        --batch-sizes 1 32 --runs 5 --ort-spinning off
+    .venv/bin/python benchmarks/cpu_runtimes.py --pair iffn_swin_tiny_patch4_window7_224 swin_tiny_patch4_window7_224
 
-Targets (``--targets``; judged on the median ratio over ``--runs``, in every runtime at every batch size):
+Targets (``--targets``; judged on the median ratio over ``--runs`` at every batch size; set for ONNX Runtime
+and PyTorch eager, the other runtimes' verdicts are for information):
 RePa-DeiT-B throughput >= 1.55x of DeiT-B; IFFN-DeiT-S latency <= 0.95x of DeiT-S; AFBO-EdgeViT-XXS <= 1.12x of
 EdgeViT-XXS (AFBO Table 16's Xeon figure); AFBO-DeiT-T <= 1.25x of DeiT-T; AFBO-PoolFormer-S12 within 10% of
 its MAC ratio (latency at most 1.10x the MAC ratio; faster than its MACs is no miss).
@@ -394,11 +396,14 @@ def header(args, runtimes) -> Dict[str, object]:
     print(f'{info["cpu"]} ({info["cpu_id"]}); ISA {isa}; '
           f'torch CPU capability {info["torch_cpu_capability"]}; {info["logical_cpus"]} logical CPUs, '
           f'load average {info["load_average"]}')
-    print(f'{args.threads} intra-op thread(s) in every runtime; fp32, inference mode; random weights (seed '
+    print(f'{args.threads} intra-op thread(s) in every runtime; fp32 (torch float32 matmul precision '
+          f'{info["float32_matmul_precision"]}), inference mode; random weights (seed '
           f'{args.seed}: latency does not depend on their values); Python {info["python"]}, {versions}')
     built = f'; models built with {args.model_kwargs}' if args.model_kwargs else ''
     print(f'batch sizes {args.batch_sizes}{built}; {args.runs} run(s) of {args.warmup} warm-up + {args.rounds} timed '
           f'rounds; ratio = deployed ms / vanilla ms (latency; throughput ratio = its inverse)')
+    print(f'torch.compile mode {args.compile_mode}{" with inductor freezing" * args.inductor_freezing}; ONNX Runtime '
+          f'spinning {args.ort_spinning}; outputs checked against eager PyTorch to {args.check_tol:g} x their scale')
     return info
 
 
