@@ -130,7 +130,7 @@ def parse_args(argv=None):
                         'reparameterize, VANILLA runs as built; no target')
     p.add_argument('--model-arg', action='append', default=[], metavar='KEY=VALUE',
                    help='a keyword of timm.create_model for both models of every pair (repeatable; VALUE a Python '
-                        'literal, e.g. depth=2 or img_size=160)')
+                        'literal, e.g. depth=2 or img_size=160, or else a string: act_layer=gelu)')
     p.add_argument('--runtimes', nargs='+', choices=list(RUNTIMES),
                    help=f'runtimes, in this order (default: {", ".join(RUNTIMES)}; those not installed are skipped '
                         f'with the reason; one named here that is not installed is an error)')
@@ -174,11 +174,17 @@ def parse_args(argv=None):
         p.error('--ort-profile profiles ONNX Runtime: add onnxruntime to --runtimes or drop --ort-profile')
     if args.out is not None and args.out.suffix not in ('', '.md', '.json'):
         p.error(f'--out {args.out}: give a name with suffix .md or .json (both files are written)')
+    for flag, items in (('--models', args.models or []), ('--runtimes', args.runtimes or []),
+                        ('--pair', [tuple(pair) for pair in args.pair])):
+        if len(set(items)) != len(items):
+            p.error(f'{flag} names one twice: {items}')
     args.model_kwargs = {}
     for item in args.model_arg:
         key, eq, value = item.partition('=')
         if not eq or not key.isidentifier():
             p.error(f'--model-arg {item!r}: expected KEY=VALUE, e.g. depth=2')
+        if key in args.model_kwargs:
+            p.error(f'--model-arg gives {key} twice')
         try:
             args.model_kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):

@@ -190,6 +190,8 @@ def test_cpu_runtimes_judges_each_target_on_the_median_over_runs(benchmarks_on_p
     (['--check-tol', 'nan'], '--check-tol must be a positive number'),
     (['--runtimes', 'eager', '--ort-profile', 'p'], '--ort-profile profiles ONNX Runtime'),
     (['--model-arg', 'depth'], "--model-arg 'depth': expected KEY=VALUE"),
+    (['--model-arg', 'depth=1', '--model-arg', 'depth=2'], '--model-arg gives depth twice'),
+    (['--runtimes', 'eager', 'eager'], "--runtimes names one twice: ['eager', 'eager']"),
     (['--out', 'table.csv'], 'give a name with suffix .md or .json'),
     (['--models', 'deit'], "invalid choice: 'deit'"),
     (['--runtimes', 'eager', '--ort-spinning', 'off'], '--ort-spinning is an option of the onnxruntime runtime'),
