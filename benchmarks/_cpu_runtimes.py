@@ -200,10 +200,16 @@ class OpenVino:
 RUNTIMES = {r.name: r for r in (Eager, Compiled, OnnxRuntime, OpenVino)}
 
 
+def _shapes(entries) -> List[List[int]]:
+    return [shape for entry in entries or [] for shape in entry.values()]
+
+
 def op_profile(path: Path, skip_runs: int) -> Dict[str, object]:
-    """Time per op type in an ONNX Runtime profile (the JSON ``end_profiling`` wrote), over the model runs
-    after the first ``skip_runs`` (warm-up): ``{'runs': R, 'ms_per_run': total, 'ops': [(op, calls per run,
-    ms per run, share of the kernel time)]}``, slowest first."""
+    """Where the time goes in an ONNX Runtime profile (the JSON ``end_profiling`` wrote), over the model runs
+    after the first ``skip_runs`` (warm-up). Returns ``runs``, ``ms_per_run`` (kernel time), ``ops``: per op type
+    ``(op, calls per run, ms per run, share of the kernel time)``, and ``nodes``: per graph node its op, ms per
+    run, share, input and output shapes and the bytes it reads and writes (inputs, weights and output, as
+    ONNX Runtime counts them); both slowest first."""
     events = json.loads(Path(path).read_text())
     runs = sorted((e for e in events if e.get('cat') == 'Session' and e.get('name') == 'model_run'),
                   key=lambda e: e['ts'])
@@ -211,14 +217,25 @@ def op_profile(path: Path, skip_runs: int) -> Dict[str, object]:
         raise ValueError(f'{path}: {len(runs)} model runs profiled, expected more than the {skip_runs} warm-up runs')
     start = runs[skip_runs]['ts']
     timed = len(runs) - skip_runs
-    total_us: Dict[str, float] = defaultdict(float)
+    op_us: Dict[str, float] = defaultdict(float)
     calls: Dict[str, int] = defaultdict(int)
+    nodes: Dict[str, dict] = {}
     for e in events:
-        if e.get('cat') == 'Node' and e.get('name', '').endswith('_kernel_time') and e['ts'] >= start:
-            op = e.get('args', {}).get('op_name', '?')
-            total_us[op] += e['dur']
-            calls[op] += 1
-    kernel_us = sum(total_us.values())
-    ops: List[tuple] = sorted(((op, calls[op] / timed, us / timed / 1e3, us / kernel_us if kernel_us else 0.0)
-                               for op, us in total_us.items()), key=lambda row: -row[2])
-    return dict(runs=timed, ms_per_run=kernel_us / timed / 1e3, ops=ops)
+        if e.get('cat') != 'Node' or not e.get('name', '').endswith('_kernel_time') or e['ts'] < start:
+            continue
+        a = e.get('args', {})
+        op = a.get('op_name', '?')
+        op_us[op] += e['dur']
+        calls[op] += 1
+        node = nodes.setdefault(e['name'][:-len('_kernel_time')], dict(
+            op=op, us=0.0, inputs=_shapes(a.get('input_type_shape')), outputs=_shapes(a.get('output_type_shape')),
+            bytes=sum(int(a.get(k, 0)) for k in ('activation_size', 'parameter_size', 'output_size'))))
+        node['us'] += e['dur']
+    kernel_us = sum(op_us.values())
+    share = (lambda us: us / kernel_us) if kernel_us else (lambda us: 0.0)
+    ops: List[tuple] = sorted(((op, calls[op] / timed, us / timed / 1e3, share(us)) for op, us in op_us.items()),
+                              key=lambda row: -row[2])
+    node_rows = sorted((dict(name=name, op=n['op'], ms_per_run=n['us'] / timed / 1e3, share=share(n['us']),
+                             inputs=n['inputs'], outputs=n['outputs'], bytes=n['bytes']) for name, n in nodes.items()),
+                       key=lambda row: -row['ms_per_run'])
+    return dict(runs=timed, ms_per_run=kernel_us / timed / 1e3, ops=ops, nodes=node_rows)

@@ -80,6 +80,11 @@ def print_profile(title: str, summary: Dict[str, object], path: Path, top: int) 
     print(f'    {"op":<28} {"calls/run":>9} {"ms/run":>9} {"share":>7}')
     for op, calls, ms, share in summary['ops'][:top]:
         print(f'    {op:<28} {calls:>9.0f} {ms:>9.3f} {share:>7.1%}')
+    print(f'    {"node":<44} {"op":<20} {"ms/run":>8} {"share":>6} {"MiB":>7}  output')
+    for n in summary['nodes'][:top]:
+        name = n['name'] if len(n['name']) <= 44 else '...' + n['name'][-41:]
+        print(f'    {name:<44} {n["op"]:<20} {n["ms_per_run"]:>8.3f} {n["share"]:>6.1%} {n["bytes"] / 2 ** 20:>7.2f}  '
+              f'{" ".join("x".join(map(str, s)) for s in n["outputs"])}')
 
 
 def write_outputs(out: Path, info: Dict[str, object], records: List[dict], table: str) -> List[Path]:

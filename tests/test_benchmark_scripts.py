@@ -133,6 +133,9 @@ def test_cpu_runtimes_times_a_pair_in_eager_and_onnxruntime(benchmarks_on_path, 
             assert sum(share for *_, share in profile['ops']) == pytest.approx(1)
             assert profile['ms_per_run'] == pytest.approx(sum(ms for _, _, ms, _ in profile['ops']))
             assert any(op == 'MatMul' or op.endswith('MatMul') for op, *_ in profile['ops'])
+            assert sum(n['share'] for n in profile['nodes']) == pytest.approx(1)
+            assert {n['op'] for n in profile['nodes']} == {op for op, *_ in profile['ops']}
+            assert all(n['bytes'] > 0 and n['outputs'] for n in profile['nodes'])
     assert out.count('ONNX Runtime profile, ') == 4
     assert sorted(p.suffix for p in (tmp_path / 'profile').glob('*')) == ['.json'] * 4 + ['.onnx'] * 2
 
