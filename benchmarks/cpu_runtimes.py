@@ -231,18 +231,22 @@ def build(name: str, seed: int, deploy: bool, model_kwargs: dict) -> torch.nn.Mo
     return reparameterize(model) if deploy else model.eval()
 
 
+class WrongOutput(ValueError):
+    """A runtime's output that is not eager PyTorch's: reported as wrong, never timed."""
+
+
 def check(runtime_label: str, role: str, got, expected: torch.Tensor, tol: float) -> Dict[str, float]:
     """The max abs error of a runtime's output against eager PyTorch; raises when the output is not finite,
     of another shape, or further off than ``tol`` x its scale."""
     got = as_tensor(got)
     scale = max(1.0, expected.abs().max().item())
     if got.shape != expected.shape:
-        raise ValueError(f'{runtime_label} {role}: output shape {tuple(got.shape)}, eager {tuple(expected.shape)}')
+        raise WrongOutput(f'{runtime_label} {role}: output shape {tuple(got.shape)}, eager {tuple(expected.shape)}')
     if not torch.isfinite(got).all():
-        raise ValueError(f'{runtime_label} {role}: output not finite')
+        raise WrongOutput(f'{runtime_label} {role}: output not finite')
     err = (got - expected).abs().max().item()
     if not err <= tol * scale:
-        raise ValueError(f'{runtime_label} {role}: max abs error {err:.3g} against eager PyTorch on outputs up to '
+        raise WrongOutput(f'{runtime_label} {role}: max abs error {err:.3g} against eager PyTorch on outputs up to '
                          f'{scale:.3g} (tolerance {tol:g} x {scale:.3g}): the runtime computes something else')
     return dict(max_abs_error=err, scale=scale)
 
@@ -284,7 +288,7 @@ def run_runtime(runtime, pair: Pair, models, onnx_paths, inputs, refs, mac_ratio
                 record[f'{role}_check'] = check(runtime.label, role, out, refs[b][role], args.check_tol)
             medians = ratio_runs(calls, args)
         except Exception as e:  # a runtime that fails or is wrong here is reported as such; the others go on
-            record.update(status='wrong' if isinstance(e, ValueError) else 'failed', error=f'{type(e).__name__}: {e}')
+            record.update(status='wrong' if isinstance(e, WrongOutput) else 'failed', error=f'{type(e).__name__}: {e}')
             print(f'  {runtime.label}, batch {b}: {record["status"].upper()}: {record["error"]}')
             records.append(record)
             continue

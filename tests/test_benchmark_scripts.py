@@ -155,19 +155,28 @@ def test_cpu_runtimes_times_a_pair_compiled_and_in_openvino(benchmarks_on_path, 
     assert sorted(_ratio_rows(capsys.readouterr().out)) == [1, 3]
 
 
-def test_cpu_runtimes_reports_a_wrong_runtime_as_wrong_not_as_a_speed_up(benchmarks_on_path, capsys, monkeypatch):
+def _boom():
+    raise RuntimeError('boom')
+
+
+@pytest.mark.parametrize('call, status, error', [
+    (lambda model, x: model(x) + 0.01, 'wrong', 'PyTorch eager deployed: max abs error 0.01 against eager PyTorch'),
+    (lambda model, x: model(x)[:, :3], 'wrong', 'PyTorch eager deployed: output shape (1, 3), eager (1, 10)'),
+    (lambda model, x: model(x) * float('nan'), 'wrong', 'PyTorch eager deployed: output not finite'),
+    (lambda model, x: _boom(), 'failed', 'RuntimeError: boom'),
+])
+def test_cpu_runtimes_reports_a_wrong_or_failing_runtime_never_as_a_ratio(benchmarks_on_path, capsys, monkeypatch,
+                                                                           call, status, error):
     import _cpu_runtimes
     import cpu_runtimes
-
-    def off_by_a_little(self, model, onnx_path):
-        return _cpu_runtimes.Loaded(lambda x: lambda: model(x) + 0.01)
-    monkeypatch.setattr(_cpu_runtimes.Eager, 'load', off_by_a_little)
+    monkeypatch.setattr(_cpu_runtimes.Eager, 'load', lambda self, model, onnx_path: _cpu_runtimes.Loaded(
+        lambda x: lambda: call(model, x)))
     records = cpu_runtimes.main([*TINY_PAIR, *QUICK, '--runtimes', 'eager', '--batch-sizes', '1', '--targets'])
     out = capsys.readouterr().out
-    assert [r['status'] for r in records] == ['wrong'] and 'ratio' not in records[0]
-    assert 'PyTorch eager deployed: max abs error 0.01 against eager PyTorch' in records[0]['error']
-    assert _ratio_rows(out)[1] == ['wrong', '']  # no ratio, no target for a custom pair
-    assert 'batch 1: not measured (wrong)' in out
+    assert [r['status'] for r in records] == [status] and 'ratio' not in records[0]
+    assert error in records[0]['error']
+    assert _ratio_rows(out)[1] == [status, '']  # no ratio, no target for a custom pair
+    assert f'batch 1: not measured ({status})' in out
 
 
 def test_cpu_runtimes_judges_each_target_on_the_median_over_runs(benchmarks_on_path):
