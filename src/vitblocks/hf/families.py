@@ -2,7 +2,7 @@
 
 | family (layer classes) | FFN slot | kept from the family | causal |
 | --- | --- | --- | --- |
-| BERT, RoBERTa (BertLayer, RobertaLayer) | intermediate; output.dense -> Identity | output: dropout, res., LN | if decoder |
+| BERT, RoBERTa (BertLayer, RobertaLayer) | intermediate; output.dense -> Identity | dropout, res., LN | if decoder |
 | GPT-2 (GPT2Block) | mlp (Conv1D c_fc / c_proj) | ln_2, residual, mlp's dropout | yes |
 | OpenAI GPT (Block) | mlp (Conv1D c_fc / c_proj) | residual, ln_2 after, dropout | yes |
 | LLaMA, Qwen2, Mistral (*DecoderLayer) | mlp (gate / up / down) | RMSNorm pre-norm, residual | yes |

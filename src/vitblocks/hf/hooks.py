@@ -35,7 +35,8 @@ def _read_text_inputs(context, signature, module, args, kwargs) -> None:
     keep = None
     if tokens is not None and mask is not None and mask.ndim == 2:
         keep = mask[:, mask.shape[1] - tokens.shape[1]:].bool()  # (B, past + L) -> (B, L): this call's tokens
-        if not torch.compiler.is_compiling() and not torch.jit.is_tracing() and bool(keep.all()):
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()) \
+                and bool(keep.all()):  # a traced graph keeps the masking for any mask
             keep = None
     elif mask is not None and mask.ndim != 2:
         raise ValueError(f'vitblocks.hf needs the 2-D attention_mask (B, L) of real tokens to keep pads out of the '
