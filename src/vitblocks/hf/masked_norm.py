@@ -46,8 +46,9 @@ def masked_batch_norm(x: torch.Tensor, keep: Optional[torch.Tensor], bn: nn.modu
         y = (x - mean) * torch.rsqrt(var + bn.eps)
         if bn.affine:
             y = y * bn.weight + bn.bias
-    else:
-        y = F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0., bn.eps)
+    else:  # the statistics are updated in place below: normalize with a copy, which autograd keeps
+        mean, var = (bn.running_mean.clone(), bn.running_var.clone()) if update else (bn.running_mean, bn.running_var)
+        y = F.batch_norm(x, mean, var, bn.weight, bn.bias, False, 0., bn.eps)
     if update:  # after use: 'running' normalizes this batch with the statistics of earlier batches only
         with torch.no_grad():
             bn.running_mean.copy_(new_mean)
