@@ -82,7 +82,8 @@ _LLAMA = dict(get_ffn=lambda layer: layer.mlp, install=_set('mlp'), dense=_llama
 _VIT = dict(get_ffn=lambda layer: layer.mlp, install=_set('mlp'),
             dense=lambda layer: {'fc1': _linear(layer.mlp.fc1), 'fc2': _linear(layer.mlp.fc2)},
             activation=lambda layer: layer.mlp.activation_fn, dropout=lambda layer: 0., causal=lambda config: False,
-            pre_norm='layernorm_after', value=(('attention', 'v_proj'), ('attention', 'attention', 'value')), vision=True)
+            pre_norm='layernorm_after', vision=True,
+            value=(('attention', 'v_proj'), ('attention', 'attention', 'value')))
 
 _M = 'transformers.models'
 FAMILIES: List[Family] = [
