@@ -6,7 +6,6 @@ baseline, RePa) resolves it here, so all accept the same names:
 | name                   | module          | where the papers use it                                |
 | ---------------------- | --------------- | ------------------------------------------------------ |
 | ``gelu``               | ``nn.GELU``     | ViT/DeiT FFN; IFFN's AGeLU base (Eq. 4); AFBO Table 6  |
-| ``gelu_tanh``          | timm ``GELUTanh`` | GPT-1/2's FFN (tanh approximation; ``vitblocks.hf``)  |
 | ``silu`` (``swish``)   | ``nn.SiLU``     | AFBO's default sigma (Table 6); IFFN Table 3 (Swish)   |
 | ``relu``               | ``nn.ReLU``     | AFBO Table 6; IFFN Fig. 2                              |
 | ``softplus``           | ``nn.Softplus`` | IFFN Table 3                                           |
@@ -14,6 +13,7 @@ baseline, RePa) resolves it here, so all accept the same names:
 | ``sigmoid``            | ``nn.Sigmoid``  | GLU's gate (AFBO Table 1)                              |
 | ``hardswish`` (``hard_swish``) | ``nn.Hardswish`` | LocalViT                                      |
 | ``relu6``              | ``nn.ReLU6``    |                                                        |
+| ``gelu_tanh``          | timm ``GELUTanh`` | GPT-1/2's FFN (tanh approximation; ``vitblocks.hf``)  |
 
 A timm-style class is accepted wherever a name is (``act_layer=nn.SiLU``, or timm's own ``GELU``,
 ``Swish``, ``Sigmoid``, ``HardSwish``); any other class is an error naming the supported ones.
@@ -42,7 +42,6 @@ class ActivationSpec(NamedTuple):
 
 ACTIVATIONS: dict[str, ActivationSpec] = {
     'gelu': ActivationSpec(nn.GELU, F.gelu, torch.ops.aten.gelu_),
-    'gelu_tanh': ActivationSpec(timm_act.GELUTanh, partial(F.gelu, approximate='tanh'), None),
     'silu': ActivationSpec(nn.SiLU, F.silu, partial(F.silu, inplace=True)),
     'relu': ActivationSpec(nn.ReLU, F.relu, torch.relu_),
     'softplus': ActivationSpec(nn.Softplus, F.softplus, None),
@@ -50,6 +49,7 @@ ACTIVATIONS: dict[str, ActivationSpec] = {
     'sigmoid': ActivationSpec(nn.Sigmoid, torch.sigmoid, torch.sigmoid_),
     'hardswish': ActivationSpec(nn.Hardswish, F.hardswish, partial(F.hardswish, inplace=True)),
     'relu6': ActivationSpec(nn.ReLU6, F.relu6, partial(F.relu6, inplace=True)),
+    'gelu_tanh': ActivationSpec(timm_act.GELUTanh, partial(F.gelu, approximate='tanh'), None),
 }
 ACTIVATION_ALIASES = {'swish': 'silu', 'hard_swish': 'hardswish'}
 # timm's own classes for the same functions (GC ViT's MLP uses timm's GELU, for instance)
