@@ -121,6 +121,8 @@ def test_options_it_cannot_honour_are_errors():
         H.swap_ffn(bert(), 'iffn', warm_start_from_dense=True)
     with pytest.raises(ValueError, match='swiglu'):
         H.swap_ffn(llama(), 'mlp', warm_start_from_dense=True)
+    with pytest.raises(ValueError, match='config.json'):
+        H.swap_ffn(bert(), 'iffn', act_layer=torch.nn.SiLU)
     model = bert()
     H.swap_ffn(model, 'iffn')
     with pytest.raises(ValueError, match='already holds'):

@@ -5,7 +5,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from torch import nn
 
 from ..layers import FFN_INHERITS, RePaFFN, TokenLayout, create_ffn, list_ffns
-from ..models.surgery import SWAPPED_ATTR, hidden_width
+from ..models.surgery import hidden_width
 from .activation import activation_of
 from .families import Family, find_layers
 from .ffn import HFFeedForward
@@ -35,8 +35,8 @@ def _check_model(model: nn.Module, layers) -> None:
         raise ValueError(f'config.chunk_size_feed_forward={config.chunk_size_feed_forward}: chunked feed-forward '
                          f'cuts the sequence into pieces, which a conv over the sequence cannot honour; set it to 0')
     if getattr(model, '_tp_size', None) not in (None, 1) or getattr(model, '_device_mesh', None) is not None:
-        raise ValueError('this model is sharded with a tensor-parallel plan, which names the replaced FFN modules; '
-                         'swap the FFNs before sharding is not supported either: load the model without tp_plan')
+        raise ValueError('this model is sharded with a tensor-parallel plan, whose entries name the FFN modules a '
+                         'swap replaces; load it without tp_plan (vitblocks blocks are not tensor-parallel)')
     for name, layer, family in layers:
         if isinstance(family.get_ffn(layer), HFFeedForward):
             raise ValueError(f'{name} already holds a vitblocks block; swap into a freshly built model')
@@ -143,7 +143,11 @@ def swap_ffn(model: nn.Module, name: str, *, include: Optional[Callable[[str], b
         else (False, None, None)
     if warm_start_from_dense:
         check_warm_start(name, family.dense(selected[0][1]), family.name)
-    json.dumps(block_cfg)  # the config records it: names, numbers and lists only (e.g. act_layer='silu')
+    try:
+        json.dumps(block_cfg)  # config.vitblocks records it, and config.json is JSON
+    except TypeError as e:
+        raise ValueError(f'block arguments are recorded in config.json, so they must be names, numbers and lists '
+                         f'(e.g. act_layer="silu", not a class): {e}') from None
     layout = _context(model, family, causal, batch_norm)
     for index, (qualname, layer, fam) in enumerate(selected):
         dense = fam.dense(layer)
@@ -178,7 +182,3 @@ def swap_ffn(model: nn.Module, name: str, *, include: Optional[Callable[[str], b
 def _layer_number(qualname: str, default: int) -> int:
     last = qualname.rsplit('.', 1)[-1]
     return int(last) if last.isdigit() else default
-
-
-def swapped_name(module: nn.Module) -> Optional[str]:
-    return getattr(module, SWAPPED_ATTR, None)
