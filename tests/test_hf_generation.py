@@ -89,3 +89,18 @@ def test_gpt1_has_no_cache_and_stays_causal_in_generation():
         out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
         full = model(input_ids=out).logits
     torch.testing.assert_close(out[0, 4:], full[0, 3:-1].argmax(-1))
+
+
+def test_a_bert_decoder_is_causal_and_caches_its_convs():
+    from _hf_helpers import transformers
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, is_decoder=True, bos_token_id=0, eos_token_id=1,
+                                     pad_token_id=PAD, hidden_dropout_prob=0., attention_probs_dropout_prob=0.)
+    model = transformers.BertLMHeadModel(config)
+    H.swap_ffn(model, 'afbo')
+    assert model.vitblocks_context.causal
+    model.eval()
+    ids = torch.randint(2, 50, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(_greedy(model, ids, torch.ones_like(ids), True),
+                                   _greedy(model, ids, torch.ones_like(ids), False))

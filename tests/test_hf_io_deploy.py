@@ -115,3 +115,16 @@ def test_a_swapped_bert_exports_to_onnx(tmp_path):
         with torch.no_grad():
             want = wrapped(ids, m).numpy()
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_vision_models_get_the_blocks_deployed_forms():
+    model = vit()
+    H.swap_ffn(model, 'iffn')
+    randomize_batchnorm_(model)
+    model.eval()
+    deployed = vitblocks.reparameterize(model)
+    assert type(deployed.layers[0].mlp.block).__name__ == 'IFFNDeployed'
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(output_of(deployed, pixel_values=x), output_of(model, pixel_values=x),
+                                   atol=1e-5, rtol=0)
