@@ -117,3 +117,13 @@ def test_gradient_checkpointing_gives_the_same_gradients_on_a_padded_batch(build
             torch.testing.assert_close(p.grad, grads[k], atol=1e-6, rtol=1e-5, msg=k)
     for (key, a), b in zip(model.state_dict().items(), ckpt.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=key)  # the recomputation updates no statistics
+
+
+def test_a_sequence_layout_reads_its_grid_from_the_input():
+    from vitblocks.layers import TokenLayout
+    layout = TokenLayout(sequence=True)
+    prefix, fmap = layout.split_tokens(torch.randn(2, 11, 8))
+    assert prefix is None and fmap.shape == (2, 8, 1, 11)  # (B, L, C) -> (B, C, 1, L)
+    assert TokenLayout(num_prefix_tokens=1, sequence=True).check_grid(11) == (1, 10)
+    with pytest.raises(ValueError, match='sequence'):
+        TokenLayout((4, 4), sequence=True)
