@@ -32,7 +32,7 @@ from .config import GlueConfig, check_glue_config, save_glue_config
 from .metrics import METRIC_NAMES, task_metrics
 from .swap import apply_swap, save_model
 from .tasks import GlueDataError, GlueSplit, file_digest, get_task, read_task
-from .text_models import build_model, has_weights, load_tokenizer, model_config, train_wordpiece
+from .text_models import build_model, check_model_source, has_weights, load_tokenizer, model_config, train_wordpiece
 
 __all__ = ['GlueRun', 'GlueResult', 'fine_tune', 'GLUE_COLUMNS']
 
@@ -72,6 +72,7 @@ class GlueRun:
             self.device = resolve_device(cfg.device)
         except RuntimeError as e:  # torch.device('tpu')
             raise ConfigError(f'device={cfg.device!r}: {e}') from None
+        check_model_source(cfg.model)
         ckpt = load_checkpoint(self.run_dir / 'last.pth') if resume else None
         if ckpt is None:
             problem = new_run_folder_problem(self.run_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
 
 __all__ = ['PRESETS', 'GlueModelError', 'train_wordpiece', 'load_tokenizer', 'model_config', 'build_model',
-           'has_weights', 'SPECIAL_TOKENS']
+           'has_weights', 'check_model_source', 'SPECIAL_TOKENS']
 
 # random-init configurations by name: (transformers model_type, config arguments)
 PRESETS: Dict[str, tuple] = {
@@ -34,18 +34,30 @@ class GlueModelError(ValueError):
 
 
 def train_wordpiece(texts: Iterable[str], vocab_size: int):
-    """A lower-casing BERT-style WordPiece tokenizer trained on ``texts`` (``[CLS] A [SEP] B [SEP]`` with segment
-    ids), as a ``transformers`` fast tokenizer. Deterministic for the same texts in the same order."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    """A lower-casing BERT-style WordPiece tokenizer for ``texts`` (``[CLS] A [SEP] B [SEP]`` with segment ids), as
+    a ``transformers`` fast tokenizer. Its vocabulary: the special tokens, every character seen (alone and as a
+    ``##`` continuation, so no word is unknown) and the most frequent words (ties in alphabetical order) up to
+    ``vocab_size`` tokens in all (more if the characters alone need more).
+
+    The same texts always give the same vocabulary and ids. ``tokenizers``' own ``WordPieceTrainer`` does not:
+    it breaks ties between equally frequent merges in hash-map order, so two trainings on one file differ, and
+    so would two runs of one command. Normalization, pre-tokenization and the WordPiece model are the library's.
+    """
+    from collections import Counter
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
-    tokenizer = Tokenizer(models.WordPiece(unk_token='[UNK]'))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), min_frequency=1,
-                                        show_progress=False)
-    tokenizer.train_from_iterator(texts, trainer)
-    cls, sep = tokenizer.token_to_id('[CLS]'), tokenizer.token_to_id('[SEP]')
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    words = Counter(word for text in texts
+                    for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    chars = sorted({c for word in words for c in word})
+    vocab = [*SPECIAL_TOKENS, *chars, *('##' + c for c in chars)]
+    known = set(vocab)
+    ranked = sorted((w for w in words if w not in known), key=lambda w: (-words[w], w))
+    vocab += ranked[:max(0, vocab_size - len(vocab))]
+    tokenizer = Tokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token='[UNK]'))
+    tokenizer.normalizer, tokenizer.pre_tokenizer, tokenizer.decoder = normalizer, pre_tokenizer, decoders.WordPiece()
+    cls, sep = vocab.index('[CLS]'), vocab.index('[SEP]')
     tokenizer.post_processor = processors.TemplateProcessing(
         single='[CLS] $A [SEP]', pair='[CLS] $A [SEP] $B:1 [SEP]:1', special_tokens=[('[CLS]', cls), ('[SEP]', sep)])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token='[UNK]', pad_token='[PAD]',
@@ -91,6 +103,13 @@ def _name_special_tokens(tokenizer) -> None:
             setattr(tokenizer, attr, found)
 
 
+def check_model_source(source: str) -> None:
+    """Refuse a ``--model`` that is neither a folder, a file nor a preset, before any data is read."""
+    if not Path(source).exists() and source not in PRESETS:
+        raise GlueModelError(f'--model {source}: not a folder, a config .json file or a preset; presets: '
+                             f'{", ".join(PRESETS)} (random init; pretrained weights come as a local folder)')
+
+
 def has_weights(folder: Path) -> bool:
     return any((Path(folder) / name).is_file() for name in WEIGHT_FILES)
 
@@ -114,8 +133,7 @@ def model_config(source: str, num_labels: int, label_names, model_args: Dict[str
             model_type, kwargs = PRESETS[source]
             config = AutoConfig.for_model(model_type, **{**kwargs, **model_args})
         else:
-            raise GlueModelError(f'--model {source}: not a folder, a config .json file or a preset; presets: '
-                                 f'{", ".join(PRESETS)} (random init; pretrained weights come as a local folder)')
+            check_model_source(source)
     except (OSError, ValueError, TypeError, KeyError) as e:
         if isinstance(e, GlueModelError):
             raise

@@ -1,0 +1,312 @@
+"""`vitblocks glue`: GLUE TSV layouts, the metrics, a tiny fine-tuning run, exact resume after SIGTERM, one-line
+errors. Offline: fixture files written here, a tokenizer trained on them, tiny random BERT configs, and a guard
+that fails any network connection."""
+import csv
+import json
+import os
+import signal
+import socket
+
+import pytest
+import torch
+
+os.environ['HF_HUB_OFFLINE'] = '1'  # before transformers reads it; nothing here may reach the hub
+pytest.importorskip('transformers')
+pytest.importorskip('tokenizers')
+
+from _glue_fixtures import LABELS, header, rows, write_task, write_tsv  # noqa: E402
+
+from vitblocks.cli import main  # noqa: E402
+from vitblocks.experiments import TrainingInterrupted, load_checkpoint  # noqa: E402
+from vitblocks.glue import (GlueConfig, GlueDataError, GlueRun, fine_tune, get_task, matthews_corrcoef,  # noqa: E402
+                            read_task, train_wordpiece)
+from vitblocks.glue.metrics import accuracy  # noqa: E402
+
+TINY_BERT = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                 max_position_embeddings=64)
+TINY_ARGS = ['--model', 'bert-tiny', '--model-args', *[f'{k}={v}' for k, v in TINY_BERT.items()],
+             '--train-tokenizer', '120', '--batch-size', '8', '--max-length', '32', '--lr', '1e-3',
+             '--progress', 'none']
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Any attempt to open a network connection fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f'network access attempted: {args[1:] or kwargs}')
+    monkeypatch.setattr(socket.socket, 'connect', refuse)
+    monkeypatch.setattr(socket.socket, 'connect_ex', refuse)
+    monkeypatch.setattr(socket, 'create_connection', refuse)
+
+
+def tiny_cfg(data, **kw) -> GlueConfig:
+    base = dict(task='cola', data=str(data), model='bert-tiny', model_args=dict(TINY_BERT), train_tokenizer=120,
+                batch_size=8, max_length=32, lr=1e-3, epochs=2, progress='none', log_interval=2)
+    return GlueConfig(**{**base, **kw})
+
+
+# --- files -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('task', ['cola', 'rte', 'qnli', 'mnli'])
+def test_each_layout_reads_its_texts_and_labels(tmp_path, task):
+    folder = write_task(tmp_path, task, n_train=30, n_dev=12)
+    train, dev = read_task(get_task(task), folder)
+    expected = rows(task, 30, seed=1)
+    assert len(train) == 30
+    text_at = {'cola': [3], 'rte': [1, 2], 'qnli': [1, 2], 'mnli': [8, 9]}[task]
+    assert train.texts == [tuple(r[i] for i in text_at) for r in expected]
+    label_at = 1 if task == 'cola' else -1
+    assert train.labels == [LABELS[task].index(r[label_at]) for r in expected]
+    assert sorted(dev) == (['dev_matched', 'dev_mismatched'] if task == 'mnli' else ['dev'])
+    assert all(len(split) == 12 for split in dev.values())
+    assert len(set(train.labels)) == len(LABELS[task])  # every class occurs: the fixture exercises the mapping
+
+
+def test_quotes_are_text_not_csv_quoting(tmp_path):
+    """GLUE's sentences hold unmatched quotes; a CSV reader would swallow the following lines into one field."""
+    path = write_tsv(tmp_path / 'CoLA' / 'train.tsv', None,
+                     [['s', '1', '', '"he said so'], ['s', '0', '*', 'it is "big'], ['s', '1', '', 'plain']])
+    write_tsv(tmp_path / 'CoLA' / 'dev.tsv', None, [['s', '1', '', 'x']])
+    train, _ = read_task(get_task('cola'), path.parent)
+    assert train.texts == [('"he said so',), ('it is "big',), ('plain',)]
+    assert train.labels == [1, 0, 1]
+
+
+def _error(tmp_path, task, mutate):
+    folder = write_task(tmp_path, task, n_train=10, n_dev=4)
+    mutate(folder)
+    with pytest.raises(GlueDataError) as e:
+        read_task(get_task(task), folder)
+    assert '\n' not in str(e.value)
+    return str(e.value)
+
+
+def test_malformed_files_name_the_file_the_line_and_the_layout(tmp_path):
+    def cola_with_header(f):
+        write_tsv(f / 'train.tsv', ['source', 'label', 'star', 'sentence'], rows('cola', 5, 1))
+    msg = _error(tmp_path / 'a', 'cola', cola_with_header)
+    assert 'train.tsv line 1' in msg and "label 'label'" in msg and 'no header' in msg
+
+    def rte_short_line(f):
+        body = rows('rte', 6, 1)
+        body[3] = body[3][:3]
+        write_tsv(f / 'train.tsv', header('rte'), body)
+    msg = _error(tmp_path / 'b', 'rte', rte_short_line)
+    assert 'train.tsv line 5: 3 tab-separated fields, expected 4' in msg and 'sentence1, sentence2, label' in msg
+
+    def qnli_renamed_column(f):
+        write_tsv(f / 'dev.tsv', ['index', 'query', 'sentence', 'label'], rows('qnli', 4, 2))
+    msg = _error(tmp_path / 'c', 'qnli', qnli_renamed_column)
+    assert 'dev.tsv line 1: the header has no question column' in msg
+
+    def mnli_unknown_label(f):
+        body = rows('mnli', 5, 3, dev=True)
+        body[2][-1] = 'maybe'
+        write_tsv(f / 'dev_mismatched.tsv', header('mnli', dev=True), body)
+    msg = _error(tmp_path / 'd', 'mnli', mnli_unknown_label)
+    assert "dev_mismatched.tsv line 4: label 'maybe' is not one of entailment, neutral, contradiction" in msg
+
+    msg = _error(tmp_path / 'e', 'mnli', lambda f: (f / 'dev_matched.tsv').unlink())
+    assert 'dev_matched.tsv: no such file' in msg and 'train.tsv, dev_matched.tsv, dev_mismatched.tsv' in msg
+
+    msg = _error(tmp_path / 'f', 'cola', lambda f: (f / 'dev.tsv').write_bytes(b's\t1\t\tok\ns\t0\t*\tbad \xff\n'))
+    assert 'dev.tsv line 2: not UTF-8' in msg
+
+
+# --- metrics ---------------------------------------------------------------------------------------------
+
+def test_matthews_correlation_against_hand_computed_values():
+    # TP 3, TN 2, FP 1, FN 2: (3*2 - 1*2) / sqrt((3+1)(3+2)(2+1)(2+2)) = 4 / sqrt(240)
+    labels = [1, 1, 1, 1, 1, 0, 0, 0]
+    preds = [1, 1, 1, 0, 0, 0, 0, 1]
+    assert matthews_corrcoef(preds, labels) == pytest.approx(4 / 240 ** 0.5, abs=1e-12)
+    assert accuracy(preds, labels) == pytest.approx(5 / 8)
+    assert matthews_corrcoef(labels, labels) == pytest.approx(1.0)
+    assert matthews_corrcoef([1 - y for y in labels], labels) == pytest.approx(-1.0)
+    assert matthews_corrcoef([1] * 8, labels) == 0.0  # one predicted class: no correlation (sklearn's convention)
+    sklearn = pytest.importorskip('sklearn.metrics')
+    g = torch.Generator().manual_seed(0)
+    y, p = torch.randint(0, 3, (200,), generator=g), torch.randint(0, 3, (200,), generator=g)
+    assert matthews_corrcoef(p, y) == pytest.approx(sklearn.matthews_corrcoef(y.numpy(), p.numpy()), abs=1e-12)
+
+
+# --- tokenizer -------------------------------------------------------------------------------------------
+
+def test_trained_tokenizer_is_deterministic_and_marks_the_pair():
+    """Same texts, same ids (tokenizers' own trainer breaks ties in hash order); the vocabulary holds the specials,
+    each character alone and as ##-continuation, and the most frequent words (ties alphabetical) up to the size."""
+    texts = ['bb aa cc aa', 'dd bb aa ee', 'cc cc']  # words: aa 3, cc 3, bb 2, dd 1, ee 1; characters a..e
+    a, b = train_wordpiece(iter(texts), 5 + 10 + 3), train_wordpiece(iter(texts), 5 + 10 + 3)
+    assert a.get_vocab() == b.get_vocab()
+    vocab = sorted(a.get_vocab(), key=a.get_vocab().get)
+    assert vocab[:5] == ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]']
+    assert vocab[5:] == [*'abcde', *('##' + c for c in 'abcde'), 'aa', 'cc', 'bb']
+    assert a.tokenize('AA dd') == ['aa', 'd', '##d']
+    enc = a('aa bb', 'cc')
+    ids = a.convert_tokens_to_ids(['[CLS]', 'aa', 'bb', '[SEP]', 'cc', '[SEP]'])
+    assert enc['input_ids'] == ids and enc['token_type_ids'] == [0, 0, 0, 0, 1, 1]
+
+
+# --- runs ------------------------------------------------------------------------------------------------
+
+def read_rows(run):
+    with open(run / 'metrics.csv', newline='') as f:
+        return [{k: v for k, v in r.items() if k not in ('elapsed_s', 'examples_per_s')} for r in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize('task', ['cola', 'mnli'])
+def test_tiny_run_trains_and_reports_the_task_metric(tmp_path, capsys, task):
+    """A CLI run writes the run folder; its reported dev metric is what the saved model/ predicts on dev."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    folder = write_task(tmp_path, task)
+    code = main(['glue', task, '--data', str(folder), *TINY_ARGS, '--epochs', '2', '--output', str(tmp_path / 'runs'),
+                 '--log-interval', '2'])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    run = tmp_path / 'runs' / f'glue-{task}-bert-tiny'
+    assert {'config.yaml', 'last.pth', 'best.pth', 'metrics.csv', 'results.json', 'tokenizer', 'model'} <= \
+        {p.name for p in run.iterdir()}
+    metric = 'matthews' if task == 'cola' else 'accuracy'
+    devs = ['dev_matched', 'dev_mismatched'] if task == 'mnli' else ['dev']
+    metrics_rows = read_rows(run)
+    assert [r['step'] for r in metrics_rows if r['split'] == 'train'] == ['2', '4', '6', '8', '10', '12']
+    assert [(r['step'], r['split']) for r in metrics_rows if r['split'] != 'train'] == \
+        [(s, d) for s in ('6', '12') for d in devs]
+    results = json.loads((run / 'results.json').read_text())
+    assert results['metric'] == metric and results['global_step'] == 12 and sorted(results['final']) == devs
+    assert f'{"Matthews correlation" if task == "cola" else "accuracy"} {results["final"][devs[0]][metric]:.4f}' \
+        in out.out
+
+    model = AutoModelForSequenceClassification.from_pretrained(run / 'model', local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(run / 'model', local_files_only=True)
+    _, dev = read_task(get_task(task), folder)
+    for name in devs:
+        first, second = zip(*dev[name].texts) if task == 'mnli' else (list(zip(*dev[name].texts))[0], None)
+        enc = tokenizer(list(first), list(second) if second else None, truncation=True, max_length=32,
+                        padding=True, return_tensors='pt')
+        with torch.no_grad():
+            preds = model(**enc).logits.argmax(-1)
+        reported = results['final'][name]
+        assert reported['accuracy'] == pytest.approx(accuracy(preds, dev[name].labels), abs=1e-9)
+        assert reported['matthews'] == pytest.approx(matthews_corrcoef(preds, dev[name].labels), abs=1e-9)
+    assert model.config.id2label == dict(enumerate(LABELS[task]))
+
+
+def _signal_after(monkeypatch, step=None, evaluation_batch=None):
+    """Send this process a SIGTERM after training step ``step``, or during the first evaluation, after it has
+    evaluated ``evaluation_batch`` batches (as a cluster preempting the job would)."""
+    step_fn, evaluate_fn = GlueRun._step, GlueRun._evaluate
+    seen = {'batches': 0}
+
+    def step_then_signal(self, idx):
+        loss = step_fn(self, idx)
+        if self.global_step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    def batch_then_signal(self, data):
+        batch = self._batch
+
+        def counting(*args):
+            seen['batches'] += 1
+            if seen['batches'] == evaluation_batch:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return batch(*args)
+        self._batch = counting
+        try:
+            return evaluate_fn(self, data)
+        finally:
+            del self._batch
+    if step is not None:
+        monkeypatch.setattr(GlueRun, '_step', step_then_signal)
+    else:
+        monkeypatch.setattr(GlueRun, '_evaluate', batch_then_signal)
+
+
+RESUME_CFG = dict(task='rte', epochs=2, eval_batch_size=8, model_args={**TINY_BERT, 'hidden_dropout_prob': 0.3})
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+    """(data folder, run folder) of an RTE run trained without a stop."""
+    root = tmp_path_factory.mktemp('glue-full')
+    folder = write_task(root, 'rte')
+    fine_tune(tiny_cfg(folder, **RESUME_CFG), root / 'full')
+    return folder, root / 'full'
+
+
+@pytest.mark.parametrize('where', ['step', 'evaluation'])
+def test_interrupted_run_resumes_to_the_uninterrupted_weights(uninterrupted, tmp_path, monkeypatch, capsys, where):
+    """SIGTERM after step 4 (mid-epoch; with dropout, so the RNG state matters) or one batch into the first
+    evaluation (3 batches); `vitblocks glue --resume` then ends on exactly the weights and metrics rows of an
+    uninterrupted run."""
+    folder, full_run = uninterrupted
+    cfg = RESUME_CFG
+    with monkeypatch.context() as patch:
+        _signal_after(patch, **({'step': 4} if where == 'step' else {'evaluation_batch': 1}))
+        with pytest.raises(TrainingInterrupted, match='resume with: vitblocks glue --resume'):
+            fine_tune(tiny_cfg(folder, **cfg), tmp_path / 'part')
+    stopped = load_checkpoint(tmp_path / 'part' / 'last.pth')
+    assert stopped['global_step'] == (4 if where == 'step' else 6)
+    assert stopped['evaluation_owed'] == (where == 'evaluation')
+    assert json.loads((tmp_path / 'part' / 'stopped.json').read_text())['reason'] == 'interrupted'
+
+    assert main(['glue', '--resume', str(tmp_path / 'part'), '--progress', 'none']) == 0, capsys.readouterr().err
+    full, part = load_checkpoint(full_run / 'last.pth'), load_checkpoint(tmp_path / 'part' / 'last.pth')
+    assert full['global_step'] == part['global_step'] == 12
+    assert full['model'].keys() == part['model'].keys()
+    for key, value in full['model'].items():
+        assert torch.equal(value, part['model'][key]), key
+    assert read_rows(tmp_path / 'part') == read_rows(full_run)
+    assert not (tmp_path / 'part' / 'stopped.json').exists()
+
+
+# --- command-line errors ---------------------------------------------------------------------------------
+
+def run_cli(capsys, argv):
+    code = main(argv)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    folder = write_task(tmp_path, 'rte', n_train=10, n_dev=4)
+    body = rows('rte', 10, 1)
+    body[6][3] = 'yes'
+    broken = write_task(tmp_path / 'broken', 'rte', n_train=10, n_dev=4)
+    write_tsv(broken / 'train.tsv', header('rte'), body)
+    out = ['--output', str(tmp_path / 'runs')]
+    cases = [
+        (['glue', 'rte', '--data', str(broken), *TINY_ARGS, *out],
+         "train.tsv line 8: label 'yes' is not one of entailment, not_entailment"),
+        (['glue', 'rte', '--data', str(tmp_path / 'nowhere'), *TINY_ARGS, *out], 'nowhere: no such folder'),
+        (['glue', 'rte', '--data', str(folder), *TINY_ARGS, '--tokenizer', str(tmp_path), *out],
+         '--tokenizer and --train-tokenizer both name the tokenizer; give one of them'),
+        (['glue', 'rte', '--data', str(folder), '--model', 'bert-tiny', *out],
+         '--model bert-tiny brings no tokenizer; give --tokenizer PATH'),
+        (['glue', 'rte', '--data', str(folder), '--model', 'bert-small', *out], 'not a folder, a config .json file or'),
+        (['glue', 'rte', '--data', str(folder), *TINY_ARGS, '--block-cfg', 'kernel_size=3', *out],
+         '--block-cfg configures the FFN that --ffn swaps in'),
+        (['glue', 'rte', '--data', str(folder), *TINY_ARGS, '--max-length', '100', *out],
+         '--max-length 100: the model has 64 positions'),
+        (['glue', '--data', str(folder)], 'TASK, --model required (or --resume RUN)'),
+        (['glue', '--resume', str(tmp_path)], 'no config.yaml there'),
+    ]
+    for argv, expected in cases:
+        code, err = run_cli(capsys, argv)
+        assert code == 2 and expected in err and err.count('\n') == 1, (argv, err)
+        assert err.startswith('vitblocks glue: error: ')
+
+
+def test_resume_keeps_the_settings_and_checks_the_files(tmp_path, capsys):
+    folder = write_task(tmp_path, 'cola', n_train=16, n_dev=8)
+    runs = ['--output', str(tmp_path / 'runs'), '--name', 'r']
+    assert main(['glue', 'cola', '--data', str(folder), *TINY_ARGS, '--max-steps', '1', *runs]) == 0
+    run = str(tmp_path / 'runs' / 'r')
+    code, err = run_cli(capsys, ['glue', '--resume', run, '--lr', '0.1'])
+    assert code == 2 and 'cannot change --lr (only' in err
+    code, err = run_cli(capsys, ['glue', 'cola', '--data', str(folder), *TINY_ARGS, *runs])
+    assert code == 2 and 'already holds a run (last.pth); resume it with --resume' in err
+    (folder / 'dev.tsv').write_text((folder / 'dev.tsv').read_text().replace('\t1\t', '\t0\t', 1))
+    code, err = run_cli(capsys, ['glue', '--resume', run])
+    assert code == 2 and 'dev.tsv is not the file this run was trained on' in err
