@@ -6,6 +6,7 @@ baseline, RePa) resolves it here, so all accept the same names:
 | name                   | module          | where the papers use it                                |
 | ---------------------- | --------------- | ------------------------------------------------------ |
 | ``gelu``               | ``nn.GELU``     | ViT/DeiT FFN; IFFN's AGeLU base (Eq. 4); AFBO Table 6  |
+| ``gelu_tanh``          | timm ``GELUTanh`` | GPT-1/2's FFN (tanh approximation; ``vitblocks.hf``)  |
 | ``silu`` (``swish``)   | ``nn.SiLU``     | AFBO's default sigma (Table 6); IFFN Table 3 (Swish)   |
 | ``relu``               | ``nn.ReLU``     | AFBO Table 6; IFFN Fig. 2                              |
 | ``softplus``           | ``nn.Softplus`` | IFFN Table 3                                           |
@@ -41,6 +42,7 @@ class ActivationSpec(NamedTuple):
 
 ACTIVATIONS: dict[str, ActivationSpec] = {
     'gelu': ActivationSpec(nn.GELU, F.gelu, torch.ops.aten.gelu_),
+    'gelu_tanh': ActivationSpec(timm_act.GELUTanh, partial(F.gelu, approximate='tanh'), None),
     'silu': ActivationSpec(nn.SiLU, F.silu, partial(F.silu, inplace=True)),
     'relu': ActivationSpec(nn.ReLU, F.relu, torch.relu_),
     'softplus': ActivationSpec(nn.Softplus, F.softplus, None),
