@@ -17,7 +17,7 @@ pytest.importorskip('tokenizers')
 from _glue_fixtures import LABELS, header, rows, write_task, write_tsv  # noqa: E402
 
 from vitblocks.cli import main  # noqa: E402
-from vitblocks.experiments import TrainingInterrupted, load_checkpoint  # noqa: E402
+from vitblocks.experiments import ConfigError, TrainingInterrupted, load_checkpoint  # noqa: E402
 from vitblocks.glue import (GlueConfig, GlueDataError, GlueRun, fine_tune, get_task, matthews_corrcoef,  # noqa: E402
                             read_task, train_wordpiece)
 from vitblocks.glue.metrics import accuracy  # noqa: E402
@@ -310,3 +310,83 @@ def test_resume_keeps_the_settings_and_checks_the_files(tmp_path, capsys):
     (folder / 'dev.tsv').write_text((folder / 'dev.tsv').read_text().replace('\t1\t', '\t0\t', 1))
     code, err = run_cli(capsys, ['glue', '--resume', run])
     assert code == 2 and 'dev.tsv is not the file this run was trained on' in err
+
+
+# --- pretrained folders and swapped FFNs -----------------------------------------------------------------
+
+def pretrained_folder(root, data):
+    """A local 'pretrained' BERT folder (random weights saved with save_pretrained) with its own tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    train, _ = read_task(get_task('rte'), data)
+    tokenizer = train_wordpiece((t for pair in train.texts for t in pair), 200)
+    config = AutoConfig.for_model('bert', vocab_size=len(tokenizer), **TINY_BERT)
+    folder = root / 'tiny-bert'
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_pretrained_folder_brings_its_weights_and_tokenizer_and_warm_starts_repa(tmp_path):
+    from safetensors.torch import load_file
+    data = write_task(tmp_path, 'rte', n_train=16, n_dev=8)
+    folder = pretrained_folder(tmp_path, data)
+    saved = load_file(folder / 'model.safetensors')
+    base = dict(task='rte', data=str(data), model=str(folder), batch_size=8, max_length=32, progress='none')
+    run = GlueRun(GlueConfig(**base), tmp_path / 'vanilla')
+    assert run.pretrained and run.tokenizer.get_vocab() == load_tokenizer_vocab(folder)
+    state = run.model.state_dict()
+    assert torch.equal(state['bert.embeddings.word_embeddings.weight'], saved['bert.embeddings.word_embeddings.weight'])
+    assert torch.equal(state['bert.encoder.layer.1.intermediate.dense.weight'],
+                       saved['bert.encoder.layer.1.intermediate.dense.weight'])
+
+    run = GlueRun(GlueConfig(**base, ffn='repa', warm_start=True), tmp_path / 'repa')
+    assert run.swapped == 2
+    state = run.model.state_dict()
+    for layer in range(2):
+        block = f'bert.encoder.layer.{layer}.intermediate.block'
+        assert torch.equal(state[f'{block}.fc1.weight'], saved[f'bert.encoder.layer.{layer}.intermediate.dense.weight'])
+        assert torch.equal(state[f'{block}.fc2.weight'], saved[f'bert.encoder.layer.{layer}.output.dense.weight'])
+
+    with pytest.raises(ConfigError, match='holds pretrained weights, whose embedding belongs to its own tokenizer'):
+        GlueRun(GlueConfig(**base, train_tokenizer=100), tmp_path / 'a')
+    with pytest.raises(ConfigError, match='iffn.*--warm-start: cannot swap it into BertForSequenceClassification'):
+        GlueRun(GlueConfig(**base, ffn='iffn', warm_start=True), tmp_path / 'b')
+    with pytest.raises(ConfigError, match='--model bert-tiny is randomly initialized'):
+        GlueRun(tiny_cfg(data, task='rte', ffn='repa', warm_start=True), tmp_path / 'c')
+
+
+def load_tokenizer_vocab(folder):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True).get_vocab()
+
+
+def test_swapped_run_resumes_exactly_and_its_model_reloads(tmp_path, monkeypatch, capsys):
+    """IFFN (convs over the sequence, masked BatchNorm) swapped into a tiny BERT: SIGTERM after step 3 and resume
+    end on the uninterrupted weights; model/ reloads with vitblocks.hf.from_pretrained and predicts the reported
+    dev metric."""
+    hf = pytest.importorskip('vitblocks.hf')
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    data = write_task(tmp_path, 'cola', n_train=32, n_dev=16)
+    cfg = dict(epochs=1, ffn='iffn', block_cfg={'kernel_size': 3})
+    fine_tune(tiny_cfg(data, **cfg), tmp_path / 'full')
+    with monkeypatch.context() as patch:
+        _signal_after(patch, step=3)
+        with pytest.raises(TrainingInterrupted):
+            fine_tune(tiny_cfg(data, **cfg), tmp_path / 'part')
+    assert main(['glue', '--resume', str(tmp_path / 'part')]) == 0, capsys.readouterr().err
+    full, part = load_checkpoint(tmp_path / 'full' / 'last.pth'), load_checkpoint(tmp_path / 'part' / 'last.pth')
+    assert any('intermediate.block' in k for k in full['model'])
+    assert full['model'].keys() == part['model'].keys()
+    for key, value in full['model'].items():
+        assert torch.equal(value, part['model'][key]), key
+
+    results = json.loads((tmp_path / 'part' / 'results.json').read_text())
+    assert results['ffn'] == 'iffn' and results['ffns_swapped'] == 2
+    model = hf.from_pretrained(AutoModelForSequenceClassification, tmp_path / 'part' / 'model').eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / 'part' / 'model', local_files_only=True)
+    _, dev = read_task(get_task('cola'), data)
+    enc = tokenizer([t[0] for t in dev['dev'].texts], truncation=True, max_length=32, padding=True,
+                    return_tensors='pt')
+    with torch.no_grad():
+        preds = model(**enc).logits.argmax(-1)
+    assert results['final']['dev']['accuracy'] == pytest.approx(accuracy(preds, dev['dev'].labels), abs=1e-9)

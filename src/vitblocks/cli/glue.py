@@ -30,9 +30,9 @@ last.pth and prints the resume command; --resume may change the budget, device a
 """
 
 # flag -> GlueConfig key, for the flags that set one value each
-FLAGS = ('data', 'model', 'tokenizer', 'train_tokenizer', 'ffn', 'epochs', 'batch_size', 'eval_batch_size', 'lr',
-         'weight_decay', 'warmup_ratio', 'clip_grad', 'max_length', 'seed', 'max_steps', 'max_examples', 'device',
-         'threads', 'log_interval', 'checkpoint_interval', 'progress')
+FLAGS = ('data', 'model', 'tokenizer', 'train_tokenizer', 'ffn', 'warm_start', 'epochs', 'batch_size',
+         'eval_batch_size', 'lr', 'weight_decay', 'warmup_ratio', 'clip_grad', 'max_length', 'seed', 'max_steps',
+         'max_examples', 'device', 'threads', 'log_interval', 'checkpoint_interval', 'progress')
 
 
 def add_parser(subparsers) -> None:
@@ -51,7 +51,11 @@ def add_parser(subparsers) -> None:
     p.add_argument('--train-tokenizer', type=positive_int, metavar='VOCAB_SIZE',
                    help='train a WordPiece tokenizer of this size on the task\'s training text (random-init models)')
     p.add_argument('--ffn', metavar='NAME', help='swap this vitblocks FFN into every layer (vitblocks.hf.swap_ffn)')
-    p.add_argument('--block-cfg', nargs='+', metavar='KEY=VALUE', help='the swapped FFN\'s config, e.g. kernel_size=3')
+    p.add_argument('--block-cfg', nargs='+', metavar='KEY=VALUE',
+                   help='the swapped FFN\'s config, e.g. kernel_size=3 (also swap_ffn\'s mlp_ratio, padding, '
+                        'batch_norm)')
+    p.add_argument('--warm-start', action='store_true', default=None,
+                   help='the swapped blocks start from the pretrained dense FFN\'s weights (mlp, repa, swiglu)')
     p.add_argument('--epochs', type=positive_int, help='default 3')
     p.add_argument('--batch-size', type=positive_int, help='default 32')
     p.add_argument('--eval-batch-size', type=positive_int, help='default 64')

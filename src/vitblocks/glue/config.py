@@ -30,6 +30,7 @@ class GlueConfig:
     train_tokenizer: Optional[int] = None  # vocabulary size of a WordPiece tokenizer trained on the task's text
     ffn: Optional[str] = None  # a vitblocks FFN swapped into the model (vitblocks.hf.swap_ffn)
     block_cfg: Dict[str, Any] = field(default_factory=dict)
+    warm_start: bool = False  # the swapped blocks take the pretrained dense FFN's weights (mlp, repa, swiglu)
     epochs: int = 3
     batch_size: int = 32
     eval_batch_size: int = 64
@@ -59,9 +60,15 @@ def check_glue_config(cfg: GlueConfig) -> None:
         raise ConfigError('--tokenizer and --train-tokenizer both name the tokenizer; give one of them')
     if cfg.block_cfg and not cfg.ffn:
         raise ConfigError('--block-cfg configures the FFN that --ffn swaps in; give --ffn NAME (or drop --block-cfg)')
+    if cfg.warm_start and not cfg.ffn:
+        raise ConfigError('--warm-start copies the dense FFN\'s weights into the block --ffn swaps in; give --ffn NAME '
+                          '(or drop --warm-start)')
     for name in ('epochs', 'batch_size', 'eval_batch_size', 'max_length', 'log_interval'):
         if getattr(cfg, name) < 1:
             raise ConfigError(f'{name}={getattr(cfg, name)}: expected an integer >= 1')
+    for name in ('weight_decay', 'clip_grad'):
+        if (getattr(cfg, name) or 0) < 0:
+            raise ConfigError(f'{name}={getattr(cfg, name)}: expected a number >= 0')
     if not 0 <= cfg.warmup_ratio <= 1:
         raise ConfigError(f'warmup_ratio={cfg.warmup_ratio}: expected a number in [0, 1]')
     if not cfg.lr > 0:

@@ -79,6 +79,9 @@ class GlueRun:
             if problem:
                 raise ConfigError(problem)
         self.train_split, self.dev_splits = read_task(self.task, Path(cfg.data), cfg.max_examples)
+        if len(self.train_split) < cfg.batch_size:  # an epoch drops its last incomplete batch
+            raise ConfigError(f'{self.train_split.path}: {len(self.train_split)} examples are fewer than one batch of '
+                              f'{cfg.batch_size}; lower --batch-size')
         self.digests = {s.path.name: file_digest(s.path) for s in (self.train_split, *self.dev_splits.values())}
         if ckpt is not None:
             self._check_same_files(ckpt)
@@ -92,10 +95,7 @@ class GlueRun:
         self.use_segments = getattr(self.model.config, 'type_vocab_size', 0) > 1  # BERT's segment embedding
         self.train_data = self._encode(self.train_split)
         self.dev_data = {name: self._encode(split) for name, split in self.dev_splits.items()}
-        try:
-            self.order = EpochOrder(len(self.train_split), cfg.batch_size, seed=cfg.seed)
-        except ValueError as e:
-            raise ConfigError(f'{self.train_split.path}: {e}') from None
+        self.order = EpochOrder(len(self.train_split), cfg.batch_size, seed=cfg.seed)
         self.steps_per_epoch = self.order.batches_per_epoch
         self.schedule_steps = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(self.schedule_steps, cfg.max_steps) if cfg.max_steps else self.schedule_steps
@@ -149,6 +149,10 @@ class GlueRun:
             config, pretrained = model_config(cfg.model, self.task.num_labels, self.task.labels, cfg.model_args,
                                               self.tokenizer)
             self._check_length(config)
+            if cfg.warm_start and not pretrained:
+                raise ConfigError(f'--warm-start copies pretrained FFN weights, but --model {cfg.model} is randomly '
+                                  f'initialized (no weights there); give a pretrained model folder or drop '
+                                  f'--warm-start')
             model = build_model(config, Path(cfg.model) if pretrained else None)
             self.pretrained = pretrained
             self.model_config = config.to_json_string()
@@ -158,7 +162,8 @@ class GlueRun:
             config = AutoConfig.for_model(saved.pop('model_type'), **saved)
             model = build_model(config)
             self.pretrained, self.model_config = ckpt.get('pretrained', False), ckpt['model_config']
-        self.swapped = apply_swap(model, cfg.ffn, cfg.block_cfg) if cfg.ffn else 0
+        # a resumed run's weights come from its checkpoint: no warm start to redo
+        self.swapped = apply_swap(model, cfg.ffn, cfg.block_cfg, cfg.warm_start and ckpt is None) if cfg.ffn else 0
         if ckpt is not None:
             try:
                 model.load_state_dict(ckpt['model'])

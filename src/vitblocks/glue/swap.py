@@ -22,14 +22,16 @@ def _hf():
     return hf
 
 
-def apply_swap(model: nn.Module, ffn: str, block_cfg: Dict[str, Any]) -> int:
-    """Swap ``ffn`` (with ``block_cfg``) into every FFN of ``model``; returns how many were replaced."""
+def apply_swap(model: nn.Module, ffn: str, block_cfg: Dict[str, Any], warm_start: bool = False) -> int:
+    """Swap ``ffn`` (with ``block_cfg``) into every FFN of ``model``; returns how many were replaced.
+    ``warm_start``: the blocks take the replaced FFNs' weights (``vitblocks.hf.warm_start`` says which can)."""
     hf = _hf()
     try:
-        return hf.swap_ffn(model, ffn, **block_cfg)
+        return hf.swap_ffn(model, ffn, warm_start_from_dense=warm_start, **block_cfg)
     except (TypeError, ValueError, KeyError) as e:
         cfg = ' '.join(f'{k}={v}' for k, v in block_cfg.items())
-        raise ConfigError(f'--ffn {ffn}{" --block-cfg " + cfg if cfg else ""}: cannot swap it into '
+        raise ConfigError(f'--ffn {ffn}{" --block-cfg " + cfg if cfg else ""}{" --warm-start" * warm_start}: '
+                          f'cannot swap it into '
                           f'{type(model).__name__}: {" ".join(str(e).split())[:300]}') from None
 
 
