@@ -282,7 +282,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         (['glue', 'rte', '--data', str(tmp_path / 'nowhere'), *TINY_ARGS, *out], 'nowhere: no such folder'),
         (['glue', 'rte', '--data', str(folder), *TINY_ARGS, '--tokenizer', str(tmp_path), *out],
          '--tokenizer and --train-tokenizer both name the tokenizer; give one of them'),
-        (['glue', 'rte', '--data', str(folder), '--model', 'bert-tiny', *out],
+        (['glue', 'rte', '--data', str(folder), '--model', 'bert-tiny', '--batch-size', '4', *out],
          '--model bert-tiny brings no tokenizer; give --tokenizer PATH'),
         (['glue', 'rte', '--data', str(folder), '--model', 'bert-small', *out], 'not a folder, a config .json file or'),
         (['glue', 'rte', '--data', str(folder), *TINY_ARGS, '--block-cfg', 'kernel_size=3', *out],
@@ -290,6 +290,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         (['glue', 'rte', '--data', str(folder), *TINY_ARGS, '--max-length', '100', *out],
          '--max-length 100: the model has 64 positions'),
         (['glue', '--data', str(folder)], 'TASK, --model required (or --resume RUN)'),
+        (['glue', 'rte', '--data', str(folder), *TINY_ARGS, '--batch-size', '32', *out],
+         'train.tsv: 10 examples are fewer than one batch of 32; lower --batch-size'),
         (['glue', '--resume', str(tmp_path)], 'no config.yaml there'),
     ]
     for argv, expected in cases:
@@ -390,3 +392,21 @@ def test_swapped_run_resumes_exactly_and_its_model_reloads(tmp_path, monkeypatch
     with torch.no_grad():
         preds = model(**enc).logits.argmax(-1)
     assert results['final']['dev']['accuracy'] == pytest.approx(accuracy(preds, dev['dev'].labels), abs=1e-9)
+
+
+def test_gpt2_classifier_reads_the_last_real_token_of_a_padded_batch(tmp_path):
+    """A GPT classifier pools the last token before the padding, found by config.pad_token_id (set from the
+    tokenizer): a right-padded batch gives each sequence the logits it has alone."""
+    data = write_task(tmp_path, 'rte', n_train=16, n_dev=8)
+    run = GlueRun(tiny_cfg(data, task='rte', model='gpt2', batch_size=8,
+                           model_args=dict(n_layer=2, n_embd=32, n_head=2, n_positions=64)), tmp_path / 'run')
+    model = run.model.eval()
+    assert model.config.pad_token_id == run.tokenizer.pad_token_id == 0 and model.config.eos_token_id is None
+    lengths = [len(ids) for ids in run.dev_data['dev'].input_ids[:4]]
+    assert len(set(lengths)) > 1  # the batch is padded
+    inputs, _ = run._batch(run.dev_data['dev'], [0, 1, 2, 3])
+    with torch.no_grad():
+        batched = model(**inputs).logits
+        for row in range(4):
+            alone, _ = run._batch(run.dev_data['dev'], [row])
+            assert torch.allclose(model(**alone).logits[0], batched[row], atol=1e-5)

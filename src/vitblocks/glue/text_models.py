@@ -142,8 +142,12 @@ def model_config(source: str, num_labels: int, label_names, model_args: Dict[str
     config.num_labels = num_labels
     config.id2label = {i: name for i, name in enumerate(label_names)}
     config.label2id = {name: i for i, name in enumerate(label_names)}
-    if not pretrained and 'vocab_size' not in model_args:
-        config.vocab_size = len(tokenizer)  # a random-init model gets the tokenizer's vocabulary
+    if not pretrained:  # a random-init model gets the tokenizer's vocabulary and its begin/end-of-text tokens
+        if 'vocab_size' not in model_args:
+            config.vocab_size = len(tokenizer)
+        for key in ('bos_token_id', 'eos_token_id'):
+            if hasattr(config, key) and key not in model_args:
+                setattr(config, key, getattr(tokenizer, key))
     if len(tokenizer) > config.vocab_size:
         raise GlueModelError(f'the tokenizer has {len(tokenizer)} tokens but the model\'s embedding '
                              f'{config.vocab_size}; use the model\'s own tokenizer (or a smaller --train-tokenizer)')
