@@ -18,8 +18,8 @@ from _glue_fixtures import LABELS, header, rows, write_task, write_tsv  # noqa: 
 
 from vitblocks.cli import main  # noqa: E402
 from vitblocks.experiments import ConfigError, TrainingInterrupted, load_checkpoint  # noqa: E402
-from vitblocks.glue import (GlueConfig, GlueDataError, GlueRun, fine_tune, get_task, matthews_corrcoef,  # noqa: E402
-                            read_task, train_wordpiece)
+from vitblocks.glue import (GlueConfig, GlueDataError, GlueModelError, GlueRun, fine_tune, get_task,  # noqa: E402
+                            matthews_corrcoef, read_task, train_wordpiece)
 from vitblocks.glue.metrics import accuracy  # noqa: E402
 
 TINY_BERT = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
@@ -410,3 +410,18 @@ def test_gpt2_classifier_reads_the_last_real_token_of_a_padded_batch(tmp_path):
         for row in range(4):
             alone, _ = run._batch(run.dev_data['dev'], [row])
             assert torch.allclose(model(**alone).logits[0], batched[row], atol=1e-5)
+
+
+def test_a_pretrained_head_of_another_size_is_replaced_but_a_resized_body_is_refused(tmp_path):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    data = write_task(tmp_path, 'mnli', n_train=16, n_dev=8)
+    tokenizer = train_wordpiece(['a b c'], 50)
+    folder = tmp_path / 'rte-model'  # a 2-label classifier, fine-tuned elsewhere
+    AutoModelForSequenceClassification.from_config(
+        AutoConfig.for_model('bert', vocab_size=len(tokenizer), num_labels=2, **TINY_BERT)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    base = dict(task='mnli', data=str(data), model=str(folder), batch_size=8, max_length=32, progress='none')
+    run = GlueRun(GlueConfig(**base), tmp_path / 'a')
+    assert run.model.classifier.out_features == 3 and run.model.config.num_labels == 3
+    with pytest.raises(GlueModelError, match='the config gives bert.embeddings.* another shape than the pretrained'):
+        GlueRun(GlueConfig(**base, model_args={'hidden_size': 64}), tmp_path / 'b')

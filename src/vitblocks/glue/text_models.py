@@ -156,13 +156,21 @@ def model_config(source: str, num_labels: int, label_names, model_args: Dict[str
 
 
 def build_model(config, weights: Optional[Path] = None):
-    """``AutoModelForSequenceClassification`` for ``config``: the pretrained weights of the folder ``weights``
-    (the classifier head newly initialized), or random weights."""
+    """``AutoModelForSequenceClassification`` for ``config``: the pretrained weights of the folder ``weights``, or
+    random weights. A classification head the folder holds is loaded if it has the task's number of labels and
+    newly initialized otherwise; any other weight whose shape the config changed is an error (it would be
+    re-initialized silently)."""
     from transformers import AutoModelForSequenceClassification
     if weights is None:
         return AutoModelForSequenceClassification.from_config(config)
     try:
-        return AutoModelForSequenceClassification.from_pretrained(str(weights), config=config, local_files_only=True)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            str(weights), config=config, local_files_only=True, ignore_mismatched_sizes=True, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as e:
         detail = ' '.join(str(e).split())[:300]
         raise GlueModelError(f'--model {weights}: cannot load its weights ({type(e).__name__}: {detail})') from None
+    body = sorted(key for key, *_ in info['mismatched_keys'] if key.startswith(model.base_model_prefix + '.'))
+    if body:
+        raise GlueModelError(f'--model {weights}: the config gives {", ".join(body[:4])} another shape than the '
+                             f'pretrained weights; drop the --model-args that change sizes')
+    return model
