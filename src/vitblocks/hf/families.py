@@ -39,7 +39,7 @@ class Family:
     dropout: Callable[[nn.Module], float]  # the FFN's own output dropout the slot must keep applying
     causal: Callable[[object], bool]  # from the config
     pre_norm: Optional[str] = None  # attribute of the pre-FFN norm (RePa replaces it), None for post-norm
-    value: Optional[Tuple[str, ...]] = None  # path of the value projection (or the fused qkv) from the layer
+    value: Tuple[Tuple[str, ...], ...] = ()  # candidate paths of the value projection (or fused qkv) in the layer
     fused_qkv: bool = False  # the value is the last third of a Conv1D c_attn
     vision: bool = False
 
@@ -71,18 +71,19 @@ def _llama_dense(layer):
 _BERT = dict(get_ffn=lambda layer: layer.intermediate, install=_bert_install,
              dense=lambda layer: {'fc1': _linear(layer.intermediate.dense), 'fc2': _linear(layer.output.dense)},
              activation=lambda layer: layer.intermediate.intermediate_act_fn, dropout=lambda layer: 0.,
-             causal=lambda config: bool(getattr(config, 'is_decoder', False)), value=('attention', 'self', 'value'))
+             causal=lambda config: bool(getattr(config, 'is_decoder', False)), value=(('attention', 'self', 'value'),))
 _GPT = dict(get_ffn=lambda layer: layer.mlp, install=_set('mlp'),
             dense=lambda layer: {'fc1': _conv1d(layer.mlp.c_fc), 'fc2': _conv1d(layer.mlp.c_proj)},
             activation=lambda layer: layer.mlp.act, dropout=lambda layer: layer.mlp.dropout.p,
-            causal=lambda config: True, value=('attn', 'c_attn'), fused_qkv=True)
+            causal=lambda config: True, value=(('attn', 'c_attn'),), fused_qkv=True)
 _LLAMA = dict(get_ffn=lambda layer: layer.mlp, install=_set('mlp'), dense=_llama_dense,
               activation=lambda layer: layer.mlp.act_fn, dropout=lambda layer: 0., causal=lambda config: True,
-              pre_norm='post_attention_layernorm', value=('self_attn', 'v_proj'))
+              pre_norm='post_attention_layernorm', value=(('self_attn', 'v_proj'),))
 _VIT = dict(get_ffn=lambda layer: layer.mlp, install=_set('mlp'),
             dense=lambda layer: {'fc1': _linear(layer.mlp.fc1), 'fc2': _linear(layer.mlp.fc2)},
             activation=lambda layer: layer.mlp.activation_fn, dropout=lambda layer: 0., causal=lambda config: False,
-            pre_norm='layernorm_after', value=('attention', 'attention', 'value'), vision=True)
+            pre_norm='layernorm_after', vision=True,
+            value=(('attention', 'v_proj'), ('attention', 'attention', 'value')))
 
 _M = 'transformers.models'
 FAMILIES: List[Family] = [

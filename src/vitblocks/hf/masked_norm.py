@@ -7,10 +7,12 @@ batch has. The masked forms here compute mean and variance over the real tokens 
 :class:`~vitblocks.hf.sequence.SequenceContext`), and update the running statistics from them.
 
 In a causal model batch statistics would let every token see the later tokens of its batch (their mean and
-variance), so the context's ``batch_norm='running'`` (the default for decoders) normalizes with the running
-statistics in training too, and only then updates them from the real tokens of the batch: the output at a token
-depends on earlier batches and on nothing after it. In eval mode both choices are the plain running-statistics
-BatchNorm, so the folding of :mod:`vitblocks.deploy` applies unchanged.
+variance), so the context's ``batch_norm='running'`` (the default, and the only choice, for decoders) normalizes
+with the running statistics in training too and leaves them as they are: the statistics of the checkpoint the model
+was loaded from, mean 0 and variance 1 for a fresh block, so the BatchNorm trains as a per-channel affine map.
+Updating them from each batch after use would be causal too, but gradient checkpointing recomputes the forward in
+the backward pass and would then normalize with statistics the first forward did not use. In eval mode both choices
+are the plain running-statistics BatchNorm, so the folding of :mod:`vitblocks.deploy` applies unchanged.
 """
 from typing import Optional
 
@@ -28,11 +30,12 @@ def masked_batch_norm(x: torch.Tensor, keep: Optional[torch.Tensor], bn: nn.modu
     """BatchNorm of ``x`` (M, C) whose rows ``keep`` (M,) are the real tokens (None: all are).
 
     ``mode='batch'``: in training, normalize with the mean and biased variance of the real rows and update the
-    running statistics with their unbiased variance (``nn.BatchNorm1d``'s rule). ``mode='running'``: normalize
-    with the running statistics, then (training) update them from the real rows.
+    running statistics with their unbiased variance (``nn.BatchNorm1d``'s rule; not again in gradient
+    checkpointing's recomputation). ``mode='running'``: always normalize with the running statistics, never
+    update them.
     """
     real = x if keep is None else x[keep]  # (M', C)
-    update = bn.training and bn.track_running_stats and real.shape[0] > 1
+    update = mode == 'batch' and bn.training and bn.track_running_stats and real.shape[0] > 1 and not _in_backward()
     if update:
         with torch.no_grad():
             bn.num_batches_tracked.add_(1)
@@ -48,11 +51,18 @@ def masked_batch_norm(x: torch.Tensor, keep: Optional[torch.Tensor], bn: nn.modu
             y = y * bn.weight + bn.bias
     else:
         y = F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0., bn.eps)
-    if update:  # after use: 'running' normalizes this batch with the statistics of earlier batches only
+    if update:
         with torch.no_grad():
             bn.running_mean.copy_(new_mean)
             bn.running_var.copy_(new_var)
     return y
+
+
+def _in_backward() -> bool:
+    """Whether this forward is gradient checkpointing's recomputation inside the backward pass: the statistics
+    were updated by the first forward already (and 'running' must normalize as it did then)."""
+    task = getattr(torch._C, '_current_graph_task_id', None)
+    return task is not None and task() != -1
 
 
 class MaskedBatchNorm2d(nn.BatchNorm2d):

@@ -40,7 +40,7 @@ class SequenceContext(TokenLayout):
     real tokens of the current input (``None``: no pads), ``cache`` / ``layer_idx`` the generation cache and layer
     the running layer reads (``None``: no cache). Fixed at swap time: ``causal`` (pad on the left only; cache the
     last k - 1 inputs of each conv) and ``batch_norm`` ('batch': batch statistics over the real tokens in
-    training; 'running': always the running statistics, updated from the real tokens after use).
+    training; 'running': always the running statistics, left unchanged; :mod:`.masked_norm`).
     """
 
     def __init__(self, causal: bool = False, batch_norm: str = 'batch'):

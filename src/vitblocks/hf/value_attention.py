@@ -8,7 +8,7 @@ layer that means replacing the value projection:
 | --- | --- | --- |
 | BERT, RoBERTa | ``attention.self.value`` | replaced |
 | LLaMA, Qwen2, Mistral | ``self_attn.v_proj`` (grouped: ``kv_heads * head_dim`` wide) | replaced |
-| ViT, DeiT | ``attention.attention.value`` | replaced |
+| ViT, DeiT | ``attention.v_proj`` (``attention.attention.value`` before 5.24) | replaced |
 | GPT-2, OpenAI GPT | the last third of the fused ``attn.c_attn`` (Conv1D) | split: Q, K stay one projection |
 
 The replaced projection's weights are kept where they fit: 'identity' and 'gelu' take W_V as it is, the GLU
@@ -82,11 +82,18 @@ class SplitQKV(nn.Module):
         return torch.cat([self.qk(x), self.value(x)], dim=-1)  # (..., 2D) + (..., D) -> (..., 3D)
 
 
-def _resolve(root: nn.Module, path):
-    parent = root
-    for attr in path[:-1]:
-        parent = getattr(parent, attr)
-    return parent, path[-1]
+def _resolve(layer: nn.Module, paths, qualname: str):
+    """(parent, attribute) of the first candidate path present in the layer (transformers moves these)."""
+    for path in paths:
+        parent = layer
+        try:
+            for attr in path[:-1]:
+                parent = getattr(parent, attr)
+        except AttributeError:
+            continue
+        if hasattr(parent, path[-1]):
+            return parent, path[-1]
+    raise ValueError(f'{qualname}: found no value projection at {", ".join(".".join(p) for p in paths)}')
 
 
 def swap_value_attention(model: nn.Module, value_act: str = 'swiglu', *,
@@ -99,7 +106,7 @@ def swap_value_attention(model: nn.Module, value_act: str = 'swiglu', *,
     if not layers:
         raise ValueError(f'include= selected no layer of {type(model).__name__}')
     for qualname, layer, family in layers:
-        parent, attr = _resolve(layer, family.value)
+        parent, attr = _resolve(layer, family.value, qualname)
         old = getattr(parent, attr)
         if isinstance(old, (ActivatedValue, SplitQKV)):
             raise ValueError(f'{qualname} already has a vitblocks value activation')
