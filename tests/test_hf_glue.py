@@ -294,10 +294,14 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
          'train.tsv: 10 examples are fewer than one batch of 32; lower --batch-size'),
         (['glue', '--resume', str(tmp_path)], 'no config.yaml there'),
     ]
+    (tmp_path / 'early').mkdir()
+    (tmp_path / 'early' / 'config.yaml').write_text('task: rte\n')
+    cases.append((['glue', '--resume', str(tmp_path / 'early')], 'no last.pth there (the run stopped before its first'))
     for argv, expected in cases:
         code, err = run_cli(capsys, argv)
         assert code == 2 and expected in err and err.count('\n') == 1, (argv, err)
         assert err.startswith('vitblocks glue: error: ')
+    assert not (tmp_path / 'runs').exists()  # nothing is written before the run is set up
 
 
 def test_resume_keeps_the_settings_and_checks_the_files(tmp_path, capsys):

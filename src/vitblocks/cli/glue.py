@@ -106,6 +106,9 @@ def build(args):
         run_dir = Path(args.resume)
         if not (run_dir / 'config.yaml').is_file():
             raise CliError(f'--resume {args.resume}: no config.yaml there; point to a vitblocks glue run folder')
+        if not (run_dir / 'last.pth').is_file():
+            raise CliError(f'--resume {args.resume}: no last.pth there (the run stopped before its first checkpoint); '
+                           f'start it anew with its first command (the folder takes a new run)')
         placed = [f for f in ('output', 'name') if getattr(args, f)]
         if placed:
             raise CliError(f'--resume {args.resume} continues that folder; drop {", ".join("--" + f for f in placed)}')

@@ -85,9 +85,7 @@ class GlueRun:
         self.digests = {s.path.name: file_digest(s.path) for s in (self.train_split, *self.dev_splits.values())}
         if ckpt is not None:
             self._check_same_files(ckpt)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.notes = [f'removed {p.name}, left by a write that was killed' for p in
-                      remove_stale_temporaries(self.run_dir)]
+        self.notes = []
         seed_everything(cfg.seed, True, self.device)
         self.tokenizer = self._tokenizer(ckpt)
         self.model = self._model(ckpt)
@@ -104,6 +102,12 @@ class GlueRun:
         self.best, self.best_step = -math.inf, -1
         self.elapsed_before, self.window = 0.0, [0.0, 0]  # window: (loss sum, steps) since the last train row
         self.evaluation_owed = False
+        # the folder is written once everything above has been checked and built
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.notes += [f'removed {p.name}, left by a write that was killed' for p in
+                       remove_stale_temporaries(self.run_dir)]
+        if ckpt is None:
+            self.tokenizer.save_pretrained(str(self.run_dir / 'tokenizer'))
         save_glue_config(cfg, self.run_dir / 'config.yaml')
         self.log = MetricsLog(self.run_dir, tensorboard=False, fresh=ckpt is None, columns=GLUE_COLUMNS)
         if ckpt is not None:
@@ -120,9 +124,10 @@ class GlueRun:
                                     f'original files, or start a new run')
 
     def _tokenizer(self, ckpt):
-        cfg, saved = self.cfg, self.run_dir / 'tokenizer'
+        """The run's tokenizer (saved in the run folder, which a resume reads)."""
+        cfg = self.cfg
         if ckpt is not None:
-            return load_tokenizer(saved, flag='the run\'s tokenizer')
+            return load_tokenizer(self.run_dir / 'tokenizer', flag='the run\'s tokenizer')
         if cfg.tokenizer:
             tokenizer = load_tokenizer(Path(cfg.tokenizer))
         elif cfg.train_tokenizer:
@@ -140,7 +145,6 @@ class GlueRun:
             raise ConfigError(f'--model {cfg.model} brings no tokenizer; give --tokenizer PATH (a local tokenizer '
                               f'folder or tokenizer.json) or --train-tokenizer VOCAB_SIZE (trained on the task\'s '
                               f'text)')
-        tokenizer.save_pretrained(str(saved))
         return tokenizer
 
     def _model(self, ckpt):
