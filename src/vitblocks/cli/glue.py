@@ -148,10 +148,16 @@ def run(args) -> int:
         print(f'vitblocks glue: stopped by {e}', file=sys.stderr)
         return 130
     name = METRIC_NAMES[result.metric]
-    print(f'run      {result.run_dir}')
-    print(f'trained  {result.global_step} steps ({result.epochs_done:.2f} epochs) in {result.seconds:.0f} s')
+    width = max(len(split) for split in ('trained', *result.final)) + 2
+
+    def line(label: str, text: str) -> None:
+        print(f'{label:<{width}}{text}')
+
+    line('run', str(result.run_dir))
+    line('trained', f'{result.global_step} steps ({result.epochs_done:.2f} epochs) in {result.seconds:.0f} s')
     for split, r in result.final.items():
-        print(f'{split:<16} {name} {r[result.metric]:.4f}  accuracy {r["accuracy"]:.4f}  loss {r["loss"]:.4f}')
-    print(f'best     {name} {result.best:.4f} at step {result.best_step} ({result.run_dir / "best.pth"})')
-    print(f'model    {result.run_dir / "model"} (from_pretrained)')
+        also = f'  accuracy {r["accuracy"]:.4f}' if result.metric != 'accuracy' else ''
+        line(split, f'{name} {r[result.metric]:.4f}{also}  loss {r["loss"]:.4f}')
+    line('best', f'{name} {result.best:.4f} at step {result.best_step} ({result.run_dir / "best.pth"})')
+    line('model', f'{result.run_dir / "model"} (from_pretrained)')
     return 0
