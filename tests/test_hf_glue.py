@@ -316,6 +316,10 @@ def test_resume_keeps_the_settings_and_checks_the_files(tmp_path, capsys):
     (folder / 'dev.tsv').write_text((folder / 'dev.tsv').read_text().replace('\t1\t', '\t0\t', 1))
     code, err = run_cli(capsys, ['glue', '--resume', run])
     assert code == 2 and 'dev.tsv is not the file this run was trained on' in err
+    config = tmp_path / 'runs' / 'r' / 'config.yaml'
+    config.write_text(config.read_text().replace('lr: 0.001', 'lr: fast'))
+    code, err = run_cli(capsys, ['glue', '--resume', run])
+    assert code == 2 and "config.yaml: lr='fast': expected a number" in err
 
 
 # --- pretrained folders and swapped FFNs -----------------------------------------------------------------

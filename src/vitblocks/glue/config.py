@@ -1,4 +1,5 @@
 """The settings of a GLUE fine-tuning run, as stored in its run folder's ``config.yaml``."""
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -7,6 +8,7 @@ import yaml
 
 from ..experiments.config import ConfigError
 from ..experiments.runlog import write_text_atomic
+from ..experiments.schema import SchemaError, coerce, yaml_load
 from .tasks import TASKS
 
 __all__ = ['GlueConfig', 'RESUME_CHANGEABLE', 'save_glue_config', 'load_glue_config', 'check_glue_config']
@@ -84,7 +86,7 @@ def save_glue_config(cfg: GlueConfig, path: Path) -> None:
 
 def load_glue_config(path: Path) -> GlueConfig:
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = yaml_load(Path(path).read_text())
     except OSError as e:
         raise ConfigError(f'{path}: cannot read it ({e.strerror or e}); point --resume to a GLUE run folder') from None
     except yaml.YAMLError as e:
@@ -96,4 +98,8 @@ def load_glue_config(path: Path) -> GlueConfig:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f'{path}: unknown keys {", ".join(unknown)} (not written by vitblocks glue?)')
-    return GlueConfig(**raw)
+    types = typing.get_type_hints(GlueConfig)
+    try:  # a hand-edited value of the wrong type ('lr: 1e-3' is a string to plain YAML) is named, not crashed on
+        return GlueConfig(**{key: coerce(key, value, types[key]) for key, value in raw.items()})
+    except SchemaError as e:
+        raise ConfigError(f'{path}: {e}') from None
