@@ -31,7 +31,7 @@ from ..profile import input_size_of
 from .io import written_in_place_at_the_end
 
 __all__ = ['export_pt2', 'export_onnx', 'export_torchscript', 'check_export', 'example_input', 'traced_batch_size',
-           'ExportDependencyError', 'require_packages', 'FORMATS', 'ONNX_PROTOBUF_LIMIT', 'weight_bytes']
+           'ExportDependencyError', 'ExportCheckError', 'require_packages', 'FORMATS', 'ONNX_PROTOBUF_LIMIT', 'weight_bytes']
 
 FORMATS = ('pt2', 'onnx', 'torchscript')  # torchscript: deprecated, kept for existing users
 ONNX_PROTOBUF_LIMIT = 2 ** 31  # bytes; an ONNX file holding more weights must keep them as external data
@@ -180,33 +180,61 @@ def export_torchscript(model: nn.Module, path: PathLike, input_size: Optional[Se
     return path
 
 
-@torch.no_grad()
+class ExportCheckError(RuntimeError):
+    """An exported file loads but fails when it is called (the message says how it was called and why)."""
+
+
+def _called(run, path: Path, how: str) -> torch.Tensor:
+    """``run()`` as a float CPU tensor; an exception from the exported program becomes an ``ExportCheckError``."""
+    try:
+        return run().detach().float().cpu()
+    except Exception as e:  # whatever the exported program raises: the file does not run as it is meant to
+        raise ExportCheckError(f'{path} loads but fails when {how}: {type(e).__name__}: '
+                               f'{" ".join(str(e).split())[:300]}') from None
+
+
 def check_export(path: PathLike, model: nn.Module, input_size: Optional[Sequence[int]] = None,
                  batch_size: int = 3, seed: int = 0) -> float:
     """Max absolute difference between the exported file and ``model`` on one random batch.
 
-    ``.onnx`` files run in onnxruntime (CPU), ``.pt2`` files are loaded with ``torch.export.load``,
-    anything else with ``torch.jit.load``.
-    The default batch differs from the export's example batch, so a batch dimension that was
-    frozen at export time shows up as an error.
+    ``.onnx`` files run in onnxruntime (CPU). ``.pt2`` files are loaded with ``torch.export.load`` and
+    their module called both the plain way (autograd on, as a user calls it) and under ``torch.no_grad``;
+    TorchScript files (anything else) are loaded with ``torch.jit.load`` and called both ways too. The
+    error is the larger of the two calls'. The default batch differs from the export's example batch,
+    so a batch dimension that was frozen at export time shows up as an error.
+
+    Raises:
+        ExportCheckError: the file loads but one of the calls fails (e.g. in-place ops traced into a
+            ``.pt2`` program, which autograd refuses).
+        ValueError: it returns another shape than the model (a frozen batch dimension).
     """
     path = Path(path)
     gen = torch.Generator().manual_seed(seed)
     size = tuple(input_size) if input_size is not None else input_size_of(model)
     x = torch.randn(batch_size, *size, generator=gen)
     p = next(model.parameters())
-    expected = model(x.to(p.device, p.dtype)).float().cpu()
+    x = x.to(p.device, p.dtype)
+    with torch.no_grad():
+        expected = model(x).float().cpu()
     if path.suffix == '.onnx':
         require_packages('onnxruntime', purpose='checking an ONNX export')
         import onnxruntime
         session = onnxruntime.InferenceSession(str(path), providers=['CPUExecutionProvider'])
         name = session.get_inputs()[0].name
-        got = torch.from_numpy(session.run(None, {name: x.to(p.dtype).numpy()})[0]).float()
-    elif path.suffix == '.pt2':
-        got = torch.export.load(str(path)).module()(x.to(p.device, p.dtype)).float().cpu()
+        outputs = [_called(lambda: torch.from_numpy(session.run(None, {name: x.cpu().numpy()})[0]), path,
+                           'run in onnxruntime')]
     else:
-        got = torch.jit.load(str(path), map_location=p.device)(x.to(p.device, p.dtype)).float().cpu()
-    if got.shape != expected.shape:
-        raise ValueError(f'{path} returned shape {tuple(got.shape)} for a batch of {batch_size}, expected '
-                         f'{tuple(expected.shape)}; was the batch dimension exported as dynamic?')
-    return (got - expected).abs().max().item()
+        if path.suffix == '.pt2':
+            module = torch.export.load(str(path)).module()
+            what = 'its module (torch.export.load(path).module()) is called'
+        else:
+            module = torch.jit.load(str(path), map_location=p.device)
+            what = 'its module (torch.jit.load(path)) is called'
+        outputs = [_called(lambda: module(x), path, f'{what} the plain way, with autograd on')]
+        with torch.no_grad():
+            outputs.append(_called(lambda: module(x), path, f'{what} under torch.no_grad()'))
+    for got in outputs:
+        if got.shape != expected.shape:
+            raise ValueError(f'{path} returned shape {tuple(got.shape)} for a batch of {batch_size}, expected '
+                             f'{tuple(expected.shape)}; was the batch dimension exported as dynamic?')
+    return max((got - expected).abs().max().item() for got in outputs)
