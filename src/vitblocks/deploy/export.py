@@ -20,7 +20,10 @@ The command line is ``vitblocks export``.
 """
 import importlib.util
 import io
+import os
+import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -31,10 +34,14 @@ from ..profile import input_size_of
 from .io import written_in_place_at_the_end
 
 __all__ = ['export_pt2', 'export_onnx', 'export_torchscript', 'check_export', 'example_input', 'traced_batch_size',
-           'ExportDependencyError', 'ExportCheckError', 'require_packages', 'FORMATS', 'ONNX_PROTOBUF_LIMIT', 'weight_bytes']
+           'ExportDependencyError', 'ExportCheckError', 'DYNAMO_MIN_OPSET', 'require_packages', 'FORMATS',
+           'ONNX_PROTOBUF_LIMIT', 'weight_bytes']
 
 FORMATS = ('pt2', 'onnx', 'torchscript')  # torchscript: deprecated, kept for existing users
 ONNX_PROTOBUF_LIMIT = 2 ** 31  # bytes; an ONNX file holding more weights must keep them as external data
+# the oldest opset torch's dynamo exporter writes itself; below it, it converts its file down and keeps opset 18
+# where an op has no older form (LayerNormalization, in every transformer)
+DYNAMO_MIN_OPSET = 18
 
 PathLike = Union[str, Path]
 
@@ -125,6 +132,9 @@ def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[
     require_packages('onnx', *(('onnxscript',) if dynamo else ()), purpose='ONNX export')
     if external_data and not dynamo:
         raise ValueError('external_data is an option of the dynamo exporter; drop it or use dynamo=True')
+    if dynamo and opset is not None and opset < DYNAMO_MIN_OPSET:
+        raise ValueError(f'opset {opset}: torch\'s dynamo exporter writes opset {DYNAMO_MIN_OPSET} and later; give '
+                         f'opset >= {DYNAMO_MIN_OPSET}, or dynamo=False (the TorchScript-based exporter) for older')
     path = _prepare(model, path)
     x = example_input(model, input_size, traced_batch_size(batch_size, dynamic_batch and dynamo))
     kwargs = dict(input_names=['input'], output_names=['output'], opset_version=opset, dynamo=dynamo)
@@ -139,13 +149,44 @@ def export_onnx(model: nn.Module, path: PathLike, input_size: Optional[Sequence[
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', torch.jit.TracerWarning)  # timm's shape asserts, constant when traced
         with written_in_place_at_the_end(path) as tmp:
-            torch.onnx.export(model, (x,), str(tmp), **kwargs)
+            with (_native_stdout_discarded() if not dynamo else _nothing()):
+                torch.onnx.export(model, (x,), str(tmp), **kwargs)
             _check_opset(tmp, opset)
             stale = not tmp.with_name(tmp.name + '.data').exists()  # an earlier export's weights, now no one's
     data = path.with_name(path.name + '.data')
     if stale and data.is_file():
         data.unlink()
     return path
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+@contextmanager
+def _native_stdout_discarded():
+    """Discard what C++ code writes to the process's stdout (file descriptor 1) inside the block. torch's
+    TorchScript-based ONNX exporter turns its own log on and, when a conversion fails, writes the whole IR graph
+    there (hundreds of lines) before raising; the exception says what failed."""
+    try:
+        fd = sys.__stdout__.fileno() if sys.__stdout__ is not None else 1
+        saved = os.dup(fd)
+    except (OSError, ValueError, AttributeError):  # no real stdout (an embedding host): nothing to protect
+        yield
+        return
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            os.close(devnull)
 
 
 def _check_opset(path: Path, opset: Optional[int]) -> None:
