@@ -44,8 +44,8 @@ FAMILIES = {
     'afbo_channels_first': _edgevit_with_afbo,
     'repa': lambda: timm.create_model('repa_deit_tiny_patch16_224', block_cfg={'idle_ratio': 0.5}, **VIT),
     'mabvit': lambda: timm.create_model('mabvit_glu_vit_tiny_patch16_224', **VIT),
-    'ninformer': lambda: timm.create_model('ninformer_vit_patch4_28', depth=1, embed_dim=32, num_heads=2, num_classes=10,
-                                           block_cfg={'token_mlp_dim': 16, 'channel_mlp_dim': 16}),
+    'ninformer': lambda: timm.create_model('ninformer_vit_patch4_28', depth=1, embed_dim=32, num_heads=2,
+                                           num_classes=10, block_cfg={'token_mlp_dim': 16, 'channel_mlp_dim': 16}),
     'swap_ffn_timm': _swapped_timm,
 }
 INPUT = {'ninformer': (1, 28, 28)}

@@ -37,9 +37,9 @@ def reparameterize(model: nn.Module, inplace: bool = False) -> nn.Module:
     module, so ``model.train()`` is allowed and gradients flow. What trains is the *folded*
     parametrization: plain weights with the folded BatchNorms inside them (those BatchNorms no
     longer exist, so no batch statistics of theirs are computed or updated), RePa's three merged
-    matrices instead of its idle/active FFN, IFFN's depthwise conv without its BatchNorm. That is fine-tuning the inference form (e.g. for
-    quantization-aware training), not continuing the paper's training: for that, train the
-    training form and deploy it again.
+    matrices instead of its idle/active FFN, IFFN's depthwise conv without its BatchNorm. That is
+    fine-tuning the inference form (e.g. for quantization-aware training), not continuing the
+    paper's training: for that, train the training form and deploy it again.
     """
     if not inplace:
         model = copy.deepcopy(model)
