@@ -189,7 +189,10 @@ def test_a_failing_plain_call_of_an_export_is_reported_not_passed(tmp_path):
             return torch.mul(x, self.w, out=out)
 
     model = InPlace().eval()
-    path = export_pt2(model, tmp_path / 'inplace.pt2', input_size=(4,))
+    with pytest.raises(ExportCheckError, match='autograd on.*inplace.pt2 was not written'):
+        export_pt2(model, tmp_path / 'inplace.pt2', input_size=(4,))  # verified before it is put in place
+    assert list(tmp_path.iterdir()) == []
+    path = export_pt2(model, tmp_path / 'inplace.pt2', input_size=(4,), verify=False)
     with torch.no_grad():
         assert torch.export.load(str(path)).module()(torch.randn(3, 4)).shape == (3, 4)
     with pytest.raises(ExportCheckError, match='called the plain way, with autograd on'):
@@ -216,3 +219,24 @@ def test_the_legacy_onnx_exporter_writes_nothing_on_stdout_even_when_it_fails(tm
     except Exception as e:  # the deployed layer's fast path may not convert: an error, not a silent file
         assert str(e)
     assert capfd.readouterr().out == ''
+
+
+class BatchBakedIn(torch.nn.Module):
+    """Eager: x * batch. A tracing exporter bakes the traced batch in as a constant: wrong at any other batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.w * float(x.shape[0])
+
+
+@pytest.mark.parametrize('fmt', ['onnx_legacy', 'torchscript'])
+def test_an_export_that_computes_other_outputs_is_refused_and_not_written(tmp_path, fmt):
+    if fmt == 'onnx_legacy':
+        pytest.importorskip('onnxruntime')
+    model = BatchBakedIn().eval()
+    with pytest.raises(ExportCheckError, match='computes other outputs than the model .* was not written'):
+        _export(model, fmt, tmp_path / 'baked', (4,))
+    assert list(tmp_path.iterdir()) == []

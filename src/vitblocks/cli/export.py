@@ -42,6 +42,12 @@ pt2 is torch.export + torch.export.save (load it with torch.export.load(PATH).mo
 `pip install onnx onnxscript` (onnxscript for torch's default exporter, which writes PATH.data beside
 the file when the weights exceed 2 GB; --onnx-exporter legacy uses torch's TorchScript-based one),
 --check of an ONNX file needs onnxruntime. torchscript (torch.jit.trace) is deprecated: use pt2.
+Every pt2/onnx/torchscript export is loaded back before it is put in place and run at another batch
+size (a .pt2/TorchScript module with autograd on and under no_grad; ONNX in onnxruntime where it is
+installed): one that fails or computes other outputs than the model is an error and nothing is
+written. --check prints the measured error. A deployed safetensors file records the model name,
+sizes, block config, timm kwargs of a vitblocks model, any swap_ffn surgery and its output on a
+seeded image, so load_deployed / eval rebuild it by the file alone or refuse it.
 """
 
 # check_export and the loaders tell the formats apart by suffix
