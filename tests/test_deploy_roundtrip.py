@@ -240,3 +240,17 @@ def test_an_export_that_computes_other_outputs_is_refused_and_not_written(tmp_pa
     with pytest.raises(ExportCheckError, match='computes other outputs than the model .* was not written'):
         _export(model, fmt, tmp_path / 'baked', (4,))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_without_the_recorded_build_loads_as_before(tmp_path):
+    """Files of older vitblocks (name and sizes only: no build kwargs, surgery or reference output) load as they
+    did, with the architecture kwargs given."""
+    from vitblocks.deploy.io import FORMAT, write_safetensors
+    model = deployed('repa')
+    path = write_safetensors(model, tmp_path / 'old.safetensors', {
+        'format': FORMAT, 'architecture': 'repa_deit_tiny_patch16_224', 'num_classes': '10', 'img_size': '[32, 32]',
+        'in_chans': '3', 'block_cfg': '{"idle_ratio": 0.5}'})
+    loaded = load_deployed(None, path, patch_size=8, embed_dim=32, depth=1, num_heads=2)
+    x = _input('repa', 2)
+    with torch.no_grad():
+        assert (loaded(x) - model(x)).abs().max().item() < TOL
