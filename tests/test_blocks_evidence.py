@@ -8,7 +8,8 @@ import timm
 
 import vitblocks.cli as cli
 from vitblocks.reproduce import blocks_evidence
-from vitblocks.reproduce.blocks_evidence import CLAIMS, EVIDENCE_PLAN, Claim, Tier, archive_runs, verdicts
+from vitblocks.reproduce.blocks_evidence import CLAIMS, EVIDENCE_PLAN, Claim, Tier, verdicts
+from vitblocks.reproduce.common import archive_runs
 from vitblocks.models.blocks_bench import ABLATION_CONFIGS, CONTROL_CONFIGS, MAIN_CONFIGS, bench_model_name
 from vitblocks.profile import count_params
 from test_reproduce import TINY, cifar_root  # noqa: F401  (the stand-in for CIFAR-10)
@@ -77,12 +78,12 @@ def test_the_plan_runs_most_telling_first_and_resumes(cifar_root, tmp_path, caps
     from vitblocks.cli import reproduce_evidence
     monkeypatch.setattr(reproduce_evidence, 'EVIDENCE_PLAN', plan)
     started = []
-    real = reproduce_evidence._run_children
+    real = reproduce_evidence.run_children
 
     def record(args, children):
         started.extend((j.name, j.priority) for j in children)
         return real(args, children)
-    monkeypatch.setattr(reproduce_evidence, '_run_children', record)
+    monkeypatch.setattr(reproduce_evidence, 'run_children', record)
     out = tmp_path / 'evidence'
     argv = ['reproduce', 'cifar10-blocks', '--plan', 'evidence', '--max-steps', 1, '--threads', 1, '--jobs', 2,
             '--repeats', 1, '--latency-batch', 2,

@@ -213,15 +213,20 @@ def test_a_self_contained_onnx_export_removes_the_external_data_of_the_file_it_r
     assert sorted(p.name for p in tmp_path.iterdir()) == ['m.onnx']
 
 
-def test_a_model_without_a_deploy_option_is_rebuilt_with_the_recorded_block_cfg(tmp_path):
-    """AFBO has no deploy form to build: load_deployed builds the training form and re-parameterizes it. It
-    dropped the recorded block config there, so a file saved with act_layer=gelu loaded silently into AFBO's
-    default SiLU (same shapes: a strict load passed, the outputs differed)."""
+@pytest.mark.parametrize('name, block_cfg, built', [
+    ('bench_mabvit_glu_vit_tiny_patch4_32', {'value_act': 'geglu'}, lambda m: m.blocks[0].attn.value_act == 'geglu'),
+    ('bench_afbo_vit_tiny_patch4_32', {'act_layer': 'gelu'}, lambda m: isinstance(m.blocks[0].mlp.act, torch.nn.GELU)),
+])
+def test_a_model_is_rebuilt_with_the_recorded_block_cfg(tmp_path, name, block_cfg, built):
+    """MABViT has no deploy form to build: load_deployed builds the training form and re-parameterizes it; AFBO
+    builds its deployed form directly. Either path once dropped the recorded block config, so a file saved with
+    GeGLU on V (or AFBO's act_layer=gelu) loaded silently into the default SwiGLU (SiLU): same shapes, a strict
+    load passed, the outputs differed."""
     torch.manual_seed(0)
-    model = timm.create_model('bench_afbo_vit_tiny_patch4_32', block_cfg={'act_layer': 'gelu'}, depth=1).eval()
-    path = save_deployed(model, tmp_path / 'afbo.safetensors', block_cfg={'act_layer': 'gelu'})
+    model = timm.create_model(name, block_cfg=block_cfg, depth=1).eval()
+    path = save_deployed(model, tmp_path / 'model.safetensors', block_cfg=block_cfg)
     loaded = load_deployed(None, path, depth=1)
-    assert isinstance(loaded.blocks[0].mlp.act, torch.nn.GELU)
+    assert built(loaded)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))

@@ -10,6 +10,7 @@ import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.deploy import reparameterize
 from vitblocks.deploy.io import load_deployed, save_deployed
 from vitblocks.layers import AFBO, IFFN, AFBODeployed, IFFNDeployed, RePaDeployedFFN, RePaFFN, create_ffn
+from vitblocks.layers.registry import FFN_DEPLOYED
 from _helpers import perturb_
 
 LAYERS = {
@@ -65,6 +66,28 @@ def test_deploy_true_builds_iffn_deployed_directly():
     assert all(type(m) is IFFNDeployed for m in model.modules() if isinstance(m, IFFN))
     with pytest.raises(TypeError, match="has no argument 'kernel'; did you mean kernel_size"):
         create_ffn('iffn', 12, 48, kernel=3, deploy=True)
+
+
+def test_deploy_true_builds_afbo_deployed_directly():
+    assert type(create_ffn('afbo', 12, 48, grid_size=(3, 5), variant='scfbo_gc', deploy=True)) is AFBODeployed
+    assert type(create_ffn('afbo', 12, 48, grid_size=(3, 5), deploy=False)) is AFBO
+    with torch.device('meta'):
+        model = timm.create_model('afbo_deit_tiny_patch16_224', block_cfg={'deploy': True})
+    layers = [m for m in model.modules() if isinstance(m, AFBO)]
+    assert len(layers) == 12 and all(type(m) is AFBODeployed for m in layers)
+
+
+def test_fuse_builds_the_deployed_form_the_registry_holds(monkeypatch):
+    """The training forms do not import their deployed forms (which subclass them): fuse() builds the class
+    registered for its FFN name, and says what is missing where none is."""
+    class Marked(IFFNDeployed):
+        pass
+
+    monkeypatch.setitem(FFN_DEPLOYED, 'iffn', Marked)
+    assert type(IFFN(12, 48, grid_size=(3, 5)).fuse()) is Marked
+    monkeypatch.delitem(FFN_DEPLOYED, 'afbo')
+    with pytest.raises(LookupError, match=r"FFN 'afbo' has no registered deployed form \(registered: iffn\)"):
+        AFBO(12, 48, grid_size=(3, 5)).fuse()
 
 
 @pytest.mark.parametrize('name,cls', [('iffn_deit_tiny_patch16_224', IFFNDeployed),

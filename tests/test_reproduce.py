@@ -19,6 +19,7 @@ from vitblocks.cli import reproduce as reproduce_cmd
 from vitblocks.data import BatchTransform
 from vitblocks.experiments import engine, load_checkpoint
 from vitblocks.reproduce.blocks_benchmark import BENCH_CONFIGS, check_fold
+from vitblocks.reproduce.common import budget_line, child_command
 from vitblocks.reproduce.ninformer_table1 import ninformer_config, ninformer_jobs, ninformer_rechecks, select_rows
 from vitblocks.experiments.runlog import read_stop_record, write_stop_record
 from vitblocks.experiments.setup import create_model
@@ -42,6 +43,25 @@ def run_cli(capsys, *argv):
     code = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def test_a_child_run_gets_the_commands_budget_and_settings():
+    """The command line of a run in its own process parses back to the parent's budget, with an ablation's
+    settings after --set (the later value wins), and the report's budget line names what was given."""
+    parser = cli.build_parser()
+    args = parser.parse_args(['reproduce', 'ninformer-table1', '--max-steps', '3', '--test-subset', '50',
+                              '--data-root', 'data', '--device', 'cpu', '--set', 'lr=0.002', 'seed=0'])
+    argv = child_command(args, 'ninformer-table1', ['--datasets', 'mnist', '--models', 'ViT'], Path('out-x'),
+                         settings=['seed=1'])
+    assert argv[:5] == [sys.executable, '-m', 'vitblocks', 'reproduce', 'ninformer-table1']
+    child = parser.parse_args(argv[3:])
+    assert (child.datasets, child.models, child.train_only, child.device, child.output) == \
+        ('mnist', 'ViT', True, 'cpu', 'out-x')
+    assert (child.epochs, child.max_steps, child.test_subset, child.train_subset, child.data_root) == \
+        (None, 3, 50, None, 'data')
+    assert child.overrides == ['lr=0.002', 'seed=0', 'seed=1']
+    assert budget_line(args, 100) == 'epochs=100 (recipe), max_steps=3, test_subset=50'
+    assert budget_line(child, 100) == budget_line(args, 100)
 
 
 @pytest.fixture(scope='module')

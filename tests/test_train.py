@@ -33,7 +33,7 @@ from vitblocks.experiments import (CheckpointError, TrainingDiverged, TrainingIn
 from vitblocks.experiments.config import ConfigError, parse_overrides
 from vitblocks.experiments import engine
 from vitblocks.experiments.engine import Trainer
-from vitblocks.reproduce.ninformer_table1 import run_or_reuse
+from vitblocks.reproduce.common import run_or_reuse
 from vitblocks.experiments.runlog import read_stop_record
 from vitblocks.experiments.schedule import build_scheduler
 from vitblocks.experiments.setup import set_cuda_matmul_precision
@@ -862,8 +862,8 @@ def test_reproduce_ablations_share_the_pool_paused_first_and_print_their_own_tab
     write_shards(root / 'mnist', 'train', n=128, per_shard=128, size=28, channels=1, num_classes=10)
     write_shards(root / 'mnist', 'test', n=32, per_shard=32, size=28, channels=1, num_classes=10, seed=1)
     pools = []
-    real = reproduce_cmd._run_children
-    monkeypatch.setattr(reproduce_cmd, '_run_children',
+    real = reproduce_cmd.run_children
+    monkeypatch.setattr(reproduce_cmd, 'run_children',
                         lambda args, children: pools.append([(j.name, j.priority) for j in children]) or
                         real(args, children))
     argv = ['reproduce', 'ninformer-table1', '--datasets', 'mnist', '--models', 'ViT,NiNformer', '--max-steps', 1,
@@ -936,7 +936,7 @@ def test_reproduce_ablations_first_start_first_and_are_paused_last(tmp_path, cap
         pools.append([(j.name, j.priority) for j in children])
         raise _PoolSeen
 
-    monkeypatch.setattr(reproduce_cmd, '_run_children', seen)
+    monkeypatch.setattr(reproduce_cmd, 'run_children', seen)
     argv = ['reproduce', 'ninformer-table1', '--datasets', 'mnist', '--models', 'ViT,NiNformer', '--data-root',
             tmp_path / 'data', '--output', tmp_path / 'out', '--ablation', 'torchinit', 'mnist/NiNformer',
             'model_kwargs={block_cfg: {init: torch}}']

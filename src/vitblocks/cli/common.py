@@ -1,9 +1,10 @@
-"""Shared CLI helpers: errors, the argument parser, building models by name, aligned tables."""
+"""Shared CLI helpers: errors, the argument parser, building models by name, aligned tables
+(``render_table``, from :mod:`vitblocks.text_tables`)."""
 import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import timm
 import yaml
@@ -14,6 +15,7 @@ from ..experiments.checkpoint import FORMAT as RUN_FORMAT, missing_checkpoint, r
 from ..experiments.schema import yaml_load
 from ..experiments.setup import create_model
 from ..models import get_variant, list_models, resolve_model_name, swap_ffn
+from ..text_tables import render_table
 
 __all__ = ['CliError', 'ArgumentParser', 'resolve', 'is_vitblocks_model', 'build_model', 'describe_model',
            'format_cfg', 'parse_block_cfg', 'positive_int', 'positive_float', 'non_negative_int', 'render_table',
@@ -248,25 +250,6 @@ def describe_model(name: str, block_cfg: Optional[Dict[str, Any]] = None) -> str
     spec = get_variant(base)
     cfg = {**spec.cfg, **(block_cfg or {})}
     return f'vitblocks {spec.method} variant of timm {spec.base}; block config: {format_cfg(cfg) or "default"}'
-
-
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str, fmt: str = 'text',
-                 indent: str = '') -> List[str]:
-    """Lines of an aligned table. ``align``: one 'l' or 'r' per column; ``fmt``: 'text' or 'md'."""
-    cells = [[str(h) for h in headers]] + [['' if c is None else str(c) for c in r] for r in rows]
-    if fmt == 'md':
-        def escape_pipes(s):
-            return s.replace('|', '\\|')
-
-        lines = ['| ' + ' | '.join(escape_pipes(c) for c in cells[0]) + ' |',
-                 '|' + '|'.join(' ---: ' if a == 'r' else ' --- ' for a in align) + '|']
-        return lines + ['| ' + ' | '.join(escape_pipes(c) for c in r) + ' |' for r in cells[1:]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    out = []
-    for r in cells:
-        parts = [c.rjust(w) if a == 'r' else c.ljust(w) for c, w, a in zip(r, widths, align)]
-        out.append((indent + '  '.join(parts)).rstrip())
-    return out
 
 
 def progress(message: str) -> None:

@@ -1,5 +1,8 @@
-"""`vitblocks reproduce ninformer-table1 | cifar10-blocks`: train a table's models, print ours (vs the paper)."""
-import os
+"""`vitblocks reproduce ninformer-table1 | cifar10-blocks`: train a table's models, print ours (vs the paper).
+
+The options and the checks of what they may be together live here; the harnesses are in
+``vitblocks.reproduce``, and what the targets share (run folders, child processes, budget, report) in
+``vitblocks.reproduce.common``. ``--plan evidence`` is ``cli/reproduce_evidence.py``."""
 import re
 import sys
 import time
@@ -7,15 +10,16 @@ from pathlib import Path
 
 from ..data import DataError
 from ..experiments import CheckpointError, ConfigError, TrainingDiverged, TrainingInterrupted, parse_overrides
-from ..experiments.plots import TradeoffPoint, plot_curves, plot_tradeoff
 from ..experiments.config import load_recipe
-from ..experiments.runlog import write_json, write_text_atomic
 from ..reproduce import blocks_benchmark as bench
-from ..reproduce.jobs import Job, run_jobs
+from ..reproduce.common import (archive_outputs, budget_line, child_command, is_finished, report_unfinished,
+                                result_changing_keys, run_children, write_table)
+from ..reproduce.jobs import Job
 from ..reproduce.ninformer_table1 import (NINFORMER_DATASETS, ninformer_data, ninformer_finished, ninformer_jobs,
-                                          is_finished, ninformer_log, ninformer_own_models, ninformer_run_config,
-                                          ninformer_table1, result_changing_keys, table_rows)
-from .common import CliError, positive_float, positive_int, render_table
+                                          ninformer_log, ninformer_own_models, ninformer_run_config,
+                                          ninformer_table1, table_rows)
+from .common import CliError, positive_float, positive_int
+from .reproduce_evidence import run_evidence
 
 NAME = 'reproduce'
 TARGETS = ('ninformer-table1', 'cifar10-blocks')
@@ -145,41 +149,6 @@ def run(args) -> int:
         return 130
 
 
-def _budget_flags(args, settings=()):
-    """A child's flags for the command's budget and --set (then ``settings``, an ablation's: later wins)."""
-    argv = []
-    for flag in ('epochs', 'max_steps', 'train_subset', 'test_subset', 'data_root'):
-        value = getattr(args, flag)
-        if value is not None:
-            argv += [f'--{flag.replace("_", "-")}', str(value)]
-    overrides = list(args.overrides) + list(settings)
-    return argv + (['--set', *overrides] if overrides else [])
-
-
-def _budget_line(args, recipe_epochs: int):
-    budget = [f'epochs={args.epochs}' if args.epochs else f'epochs={recipe_epochs} (recipe)']
-    for key in ('max_steps', 'train_subset', 'test_subset'):
-        if getattr(args, key):
-            budget.append(f'{key}={getattr(args, key)}')
-    return ', '.join(budget)
-
-
-def _write_table(args, title: str, table, budget: str, t0: float, notes_after=(), output=None) -> None:
-    """Print the report of a target and save it as --output/table.txt (table.md with --md): the title, the
-    table (``table``: headers, rows, alignment, notes), the budget line (``budget``: what the target adds to
-    ``_budget_line``, then the wall time since ``t0``), the table's notes, then ``notes_after``."""
-    headers, rows, align, notes = table
-    lines = [f'### {title}' if args.md else title, '']
-    lines += render_table(headers, rows, align, fmt='md' if args.md else 'text')
-    output = Path(output or args.output)
-    lines += ['', f'budget: {budget}; wall time {time.perf_counter() - t0:.0f} s; runs in {output}']
-    lines += [f'note: {n}' for n in notes] + list(notes_after)
-    text = '\n'.join(lines)
-    print(text)
-    output.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(output / ('table.md' if args.md else 'table.txt'), text + '\n')
-
-
 # --- ninformer-table1 ---------------------------------------------------------------------------------
 
 def _ninformer(args) -> int:
@@ -216,8 +185,8 @@ def _ninformer(args) -> int:
                         ninformer_log(output, ds, model), Path(output) / ds / model, priority=priority(model))
                     for output, pairs, settings, priority, prefix in groups for ds, model in pairs
                     if not ninformer_finished(ds, model, output, dropout=dropout, **_run_config(args, settings))]
-        if children and _report_unfinished(_run_children(args, children)):
-            _archive(args, [args.output] + [_ablation_output(args, name) for name, _, _ in ablations])
+        if children and report_unfinished(run_children(args, children)):
+            archive_outputs(args, [args.output] + [_ablation_output(args, name) for name, _, _ in ablations])
             return 1
     runs = _table1_runs(args, datasets, models, dropout, args.output, [])
     ablation_runs = [(name, settings, [r for ds, ms in _by_dataset(pairs) for r in
@@ -230,29 +199,21 @@ def _ninformer(args) -> int:
         return 0
     missing = [] if 'cifar100' in datasets else [
         'note: CIFAR-100 (paper: 53.78 for NiNformer) is not run: it is not available here']
-    _write_table(args, 'NiNformer Table 1: test top-1 % (ours: un-augmented test split)', table_rows(runs),
-                 _ninformer_budget(args, dropout, []), t0, missing)
+    write_table(args, 'NiNformer Table 1: test top-1 % (ours: un-augmented test split)', table_rows(runs),
+                _ninformer_budget(args, dropout, []), t0, missing)
     for name, settings, rs in ablation_runs:
         print()
-        _write_table(args, f'NiNformer Table 1, ablation {name} ({" ".join(settings)}): test top-1 %',
-                     table_rows(rs), _ninformer_budget(args, dropout, settings), t0,
-                     output=_ablation_output(args, name))
-    _archive(args, [args.output] + [_ablation_output(args, name) for name, _, _ in ablation_runs])
+        write_table(args, f'NiNformer Table 1, ablation {name} ({" ".join(settings)}): test top-1 %',
+                    table_rows(rs), _ninformer_budget(args, dropout, settings), t0,
+                    output=_ablation_output(args, name))
+    archive_outputs(args, [args.output] + [_ablation_output(args, name) for name, _, _ in ablation_runs])
     return 0
-
-
-def _archive(args, outputs) -> None:
-    """--archive: the runs of ``outputs`` (the table's and each ablation's folder) packed into one .tar.gz."""
-    if args.archive:
-        from ..reproduce.blocks_evidence import archive_runs
-        n = archive_runs([Path(o) for o in outputs], Path(args.archive))
-        print(f'archive: {args.archive} ({n} finished run(s), no checkpoints)')
 
 
 def _ninformer_budget(args, dropout: float, settings) -> str:
     """The budget line: epochs and the like, and the dropout the runs have (``mlp_drop`` in --set or ``settings``
     over --dropout)."""
-    return f'{_budget_line(args, 100)}; dropout {parse_overrides(args.overrides + settings).get("mlp_drop", dropout)}'
+    return f'{budget_line(args, 100)}; dropout {parse_overrides(args.overrides + settings).get("mlp_drop", dropout)}'
 
 
 def _table1_runs(args, datasets, models, dropout, output, settings):
@@ -317,9 +278,8 @@ def _ablations(args, dropout: float):
 
 
 def _ninformer_child(args, dataset: str, model: str, dropout: float, output=None, settings=()):
-    return [sys.executable, '-m', 'vitblocks', 'reproduce', args.target, '--datasets', dataset, '--models', model,
-            '--dropout', str(dropout), '--train-only', '--device', args.device, '--output', output or args.output] \
-        + _budget_flags(args, settings)
+    return child_command(args, args.target, ['--datasets', dataset, '--models', model, '--dropout', str(dropout)],
+                         output or args.output, settings)
 
 
 # --- cifar10-blocks -----------------------------------------------------------------------------------
@@ -328,7 +288,6 @@ def _blocks(args) -> int:
     if args.archive and not args.plan:
         raise CliError('--archive packs the runs of --plan evidence; give --plan evidence')
     if args.plan:
-        from .reproduce_evidence import run_evidence  # it builds on this module's helpers
         return run_evidence(args)
     configs = bench.select_configs(args.configs.split(',') if args.configs else None)
     try:
@@ -345,7 +304,7 @@ def _blocks(args) -> int:
         children = [Job(f'{c}/seed{s}', _blocks_child(args, c, s), Path(args.output) / c / f'seed{s}.log',
                         Path(args.output) / c / f'seed{s}') for c in configs for s in seeds
                     if not is_finished(bench.bench_config(c, s, data, **budget), Path(args.output) / c / f'seed{s}')]
-        if children and _report_unfinished(_run_children(args, children)):
+        if children and report_unfinished(run_children(args, children)):
             return 1
     runs = bench.run_benchmark(configs, seeds, args.data_root, args.output, threads=args.threads, **budget)
     if args.train_only:
@@ -355,50 +314,13 @@ def _blocks(args) -> int:
         return 0
     summaries = bench.summarize(runs, latency=not args.no_latency, latency_batch=args.latency_batch or 32,
                                 repeats=args.repeats or 10, threads=args.threads)
-    budget = f'{_budget_line(args, load_recipe("cifar10_blocks")["epochs"])}; seeds {",".join(map(str, seeds))}'
-    _write_table(args, 'CIFAR-10 blocks benchmark: test top-1 % of one small ViT with each paper\'s block',
-                 bench.table(summaries), budget, t0,
-                 [f'paper: {bench.PAPER_CLAIMS[s.config]}' for s in summaries if s.config in bench.PAPER_CLAIMS])
-    _blocks_outputs(args, runs, summaries)
+    budget = f'{budget_line(args, load_recipe("cifar10_blocks")["epochs"])}; seeds {",".join(map(str, seeds))}'
+    write_table(args, 'CIFAR-10 blocks benchmark: test top-1 % of one small ViT with each paper\'s block',
+                bench.table(summaries), budget, t0,
+                [f'paper: {bench.PAPER_CLAIMS[s.config]}' for s in summaries if s.config in bench.PAPER_CLAIMS])
+    bench.write_outputs(runs, summaries, args.output, args.latency_batch or 32)
     return 0
 
 
 def _blocks_child(args, config: str, seed: int):
-    return [sys.executable, '-m', 'vitblocks', 'reproduce', args.target, '--configs', config, '--seeds', str(seed),
-            '--train-only', '--device', args.device, '--output', args.output] + _budget_flags(args)
-
-
-def _blocks_outputs(args, runs, summaries) -> None:
-    """summary.json, every run's curves.png and tradeoff.png (accuracy vs GMACs and vs latency) in --output."""
-    out = Path(args.output)
-    write_json(out / 'summary.json', [{
-        'config': s.config, 'top1': s.top1, 'params': s.params, 'deployed_params': s.deployed_params,
-        'gmacs': s.gmacs, 'cpu_latency_ms': s.latency_ms, 'trained_fp32_top1': s.trained_fp32_top1,
-        'folded_top1': s.folded_top1, 'fold_predictions_differ': s.fold_differ} for s in summaries])
-    try:
-        for r in runs:
-            plot_curves(r.run_dir)
-        points = [TradeoffPoint(s.config, sum(s.top1) / len(s.top1), s.gmacs, s.latency_ms) for s in summaries]
-        print(plot_tradeoff(points, out / 'tradeoff.png', f'batch {args.latency_batch or 32}, CPU'))
-    except ImportError as e:  # matplotlib missing
-        print(f'no plots: {e}', file=sys.stderr)
-
-
-# --- parallel runs ------------------------------------------------------------------------------------
-
-def _run_children(args, children):
-    threads = args.threads or max(1, (os.cpu_count() or 1) // min(args.jobs, len(children)))
-    return run_jobs(children, args.jobs, threads, time_limit=args.time_limit,
-                    echo=lambda line: print(line, flush=True))
-
-
-def _report_unfinished(report) -> bool:
-    """Say which runs did not finish and why; True if any did not."""
-    for job in report.failed:
-        print(f'vitblocks reproduce: run failed, see {job.log}', file=sys.stderr)
-    if report.paused or report.not_started:
-        names = ', '.join(j.name for j in report.paused + report.not_started)
-        print(f'vitblocks reproduce: {len(report.paused) + len(report.not_started)} run(s) not finished within '
-              f'--time-limit: {names}; re-run the command to resume them (paused ones from their checkpoints)',
-              file=sys.stderr)
-    return bool(report.failed or report.paused or report.not_started)
+    return child_command(args, args.target, ['--configs', config, '--seeds', str(seed)], args.output)

@@ -1,17 +1,16 @@
 """`vitblocks reproduce cifar10-blocks --plan evidence`: the controls, ablations and long schedule of the blocks
 benchmark (vitblocks.reproduce.blocks_evidence), most telling runs first, inside a wall-clock limit."""
-import sys
 import time
 from pathlib import Path
 
 from ..experiments import parse_overrides
 from ..experiments.runlog import read_json, write_json
 from ..reproduce import blocks_benchmark as bench
-from ..reproduce.blocks_evidence import EVIDENCE_PLAN, archive_runs, remaining_runs, verdict_table, verdicts
+from ..reproduce.blocks_evidence import EVIDENCE_PLAN, remaining_runs, verdict_table, verdicts
+from ..reproduce.common import (archive_outputs, budget_line, child_command, is_finished, report_unfinished,
+                                run_children, write_table)
 from ..reproduce.jobs import Job
-from ..reproduce.ninformer_table1 import is_finished
 from .common import CliError
-from .reproduce import _blocks_outputs, _budget_flags, _budget_line, _report_unfinished, _run_children, _write_table
 
 
 def run_evidence(args) -> int:
@@ -42,12 +41,10 @@ def run_evidence(args) -> int:
                     run_dir(tier, c, s), priority=priority[tier]) for tier, c, s in todo]
     print(f'evidence plan: {len(children)} run(s) to train of '
           f'{sum(len(t.configs) * len(t.seeds) for t in EVIDENCE_PLAN)}', flush=True)
-    incomplete = bool(children) and _report_unfinished(_run_children(args, children))
+    incomplete = bool(children) and report_unfinished(run_children(args, children))
     report = _report(args, out, _finished_top1(out), t0)
     write_json(out / 'evidence.json', report)
-    if args.archive:
-        n = archive_runs([out], Path(args.archive))
-        print(f'archive: {args.archive} ({n} finished run(s), no checkpoints)')
+    archive_outputs(args, [out])
     left = remaining_runs(EVIDENCE_PLAN, finished)
     if left:
         print('not finished: ' + ', '.join('/'.join(p for p in (t.name, c, f'seed{s}') if p) for t, c, s in left))
@@ -55,9 +52,8 @@ def run_evidence(args) -> int:
 
 
 def _child(args, tier, config, seed):
-    argv = [sys.executable, '-m', 'vitblocks', 'reproduce', 'cifar10-blocks', '--configs', config, '--seeds',
-            str(seed), '--train-only', '--device', args.device, '--output', str(Path(args.output) / tier.name)]
-    argv += _budget_flags(args)
+    argv = child_command(args, 'cifar10-blocks', ['--configs', config, '--seeds', str(seed)],
+                         Path(args.output) / tier.name)
     if tier.epochs:
         argv += ['--epochs', str(tier.epochs)]  # after the budget's: argparse keeps the last
     return argv
@@ -77,7 +73,7 @@ def _finished_top1(out: Path):
 
 def _report(args, out: Path, top1, t0: float) -> dict:
     main = top1.get('', {})
-    budget = _budget_line(args, 20)
+    budget = budget_line(args, 20)
     runs = [bench.BenchRun(config, seed, out / config / f'seed{seed}',
                            read_json(out / config / f'seed{seed}' / 'results.json'),
                            read_json(out / config / f'seed{seed}' / 'fold.json') if config in bench.FOLDED else None)
@@ -85,13 +81,13 @@ def _report(args, out: Path, top1, t0: float) -> dict:
     if runs:  # top-1 mean +- std, params, GMACs, CPU latency of every finished configuration, and the trade-off plot
         summaries = bench.summarize(runs, latency=not args.no_latency, latency_batch=args.latency_batch or 32,
                                     repeats=args.repeats or 10, threads=args.threads)
-        _write_table(args, "CIFAR-10 blocks benchmark: the blocks, their controls and the papers' ablations",
-                     bench.table(summaries), budget, t0, output=out)
-        _blocks_outputs(args, runs, summaries)
+        write_table(args, "CIFAR-10 blocks benchmark: the blocks, their controls and the papers' ablations",
+                    bench.table(summaries), budget, t0, output=out)
+        bench.write_outputs(runs, summaries, out, args.latency_batch or 32)
         print()
     rows = verdicts(main)
     if rows:
-        _write_table(args, 'CIFAR-10 blocks benchmark: each claim against its control (paired by seed)',
+        write_table(args, 'CIFAR-10 blocks benchmark: each claim against its control (paired by seed)',
                     verdict_table(rows), budget, t0, output=out / 'verdicts')
     long = top1.get('long', {})
     if long:
@@ -99,8 +95,8 @@ def _report(args, out: Path, top1, t0: float) -> dict:
         ref = long.get('vanilla', {}).get(0)
         table_rows = [[c, f'{v[0]:.2f}', f'{v[0] - ref:+.2f}' if ref is not None and c != 'vanilla' else '-']
                       for c, v in long.items() if 0 in v]
-        _write_table(args, 'CIFAR-10 blocks benchmark, 100 epochs, seed 0', (headers, table_rows, 'lrr', []),
-                    _budget_line(args, 100), t0, output=out / 'long')
+        write_table(args, 'CIFAR-10 blocks benchmark, 100 epochs, seed 0', (headers, table_rows, 'lrr', []),
+                    budget_line(args, 100), t0, output=out / 'long')
     return {'top1': {tier: {c: {str(s): v for s, v in seeds.items()} for c, seeds in configs.items()}
                      for tier, configs in top1.items()}, 'verdicts': rows}
 

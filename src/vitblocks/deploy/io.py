@@ -367,8 +367,8 @@ def load_deployed(name_or_model: Union[str, nn.Module, None], path: PathLike,
     """Build a model in deploy form and load a deployed checkpoint into it (strict).
 
     Args:
-        name_or_model: a timm / vitblocks model name, built directly in deploy form (RePa and
-            IFFN models with ``block_cfg={'deploy': True}``, so no training-form weights are
+        name_or_model: a timm / vitblocks model name, built directly in deploy form (RePa, IFFN
+            and AFBO models with ``block_cfg={'deploy': True}``, so no training-form weights are
             created); ``None`` for the name recorded in the file; or a model, which is
             re-parameterized in place first if it is still in training form, then loaded into.
         path: a file written by :func:`save_deployed`.

@@ -1,4 +1,9 @@
-"""Pure ``nn.Module`` building blocks; no backbone knowledge lives here."""
+"""Pure ``nn.Module`` building blocks; no backbone knowledge lives here.
+
+Each deployed form (``IFFNDeployed``, ``AFBODeployed``) subclasses its training form and registers itself
+with the FFN registry, where the training form's ``fuse()`` finds it; importing it here, next to its
+training form, is what makes ``fuse()`` work wherever the layer is importable.
+"""
 from .activations import (ACTIVATIONS, AGeLU, ArbitraryActivation, ConcatArbitraryActivations, activation_name,
                           create_act, get_base_activation)
 from .baselines import timm_mlp

@@ -60,7 +60,7 @@ from torch import nn
 from .activations import activation_name, create_act
 from .channel_maps import create_channel_map
 from .layout import TokenLayout, merge_tokens
-from .registry import register_ffn
+from .registry import deployed_form, register_ffn
 
 __all__ = ['AFBO', 'SpatialAttention', 'create_spatial_op', 'AFBO_VARIANTS', 'AFBO_VARIANT_ALIASES', 'SPATIAL_OPS',
            'scfbo_gc', 'scfbo_oc', 'afbo_full', 'afbo_grouped']
@@ -355,9 +355,9 @@ class AFBO(nn.Module):
         has no BatchNorm to fold) and the same :class:`TokenLayout` object, in the same train/eval mode; it
         chooses fast kernels by device. ``self`` is left unchanged. Model level: ``vitblocks.deploy.reparameterize``.
         """
-        from .afbo_deployed import AFBODeployed  # the deployed form builds on this class
         w = self.fc2.weight
-        deployed = AFBODeployed(**self._init_args, layout=self.layout, device=w.device, dtype=w.dtype)
+        # AFBODeployed subclasses this class, so it is found in the registry rather than imported here
+        deployed = deployed_form('afbo')(**self._init_args, layout=self.layout, device=w.device, dtype=w.dtype)
         deployed.load_state_dict(self.state_dict())  # strict: the same parameters
         return deployed.train(self.training)
 

@@ -22,7 +22,10 @@ from torch import nn
 from ..kernels import kernels_usable
 from .activations import act_fn_
 from .afbo import AFBO
-from .layout import autocasting, batch_slice_size, check_grid
+from .cpu_cache import slice_budget_bytes
+from .layout import (autocasting, batch_slice_size, building_graph, check_grid, conv_channels_last, exporting,
+                     plain_eager_inference)
+from .registry import register_deployed_form
 
 __all__ = ['AFBODeployed']
 
@@ -37,11 +40,12 @@ class AFBODeployed(AFBO):
     deploy = True
 
     # CPU path: run the batch in slices so that each Md-wide intermediate holds about this many
-    # bytes per intra-op thread (2 MB ~ 3 images of DeiT-T), buffers reused across slices. The slices'
-    # intermediates stay in cache and are recycled by the allocator instead of being fresh pages the OS
-    # must zero on every call: afbo_deit_tiny / deit_tiny at batch 32 on 2 threads went from 1.435x
-    # (whole batch) to 1.08-1.17x. 0: never slice. docs/afbo.md has the measurements.
-    inference_chunk_bytes: int = 2 * 2 ** 20
+    # bytes per intra-op thread, buffers reused across slices. The slices' intermediates stay in cache and
+    # are recycled by the allocator instead of being fresh pages the OS must zero on every call:
+    # afbo_deit_tiny / deit_tiny at batch 32 on 2 threads went from 1.435x (whole batch) to 1.08-1.17x with
+    # 2 MiB. None (default): one core's level-2 cache, read from the machine (layers/cpu_cache.py; the whole
+    # batch where the OS does not say); 0: never slice. docs/afbo.md has the measurements.
+    inference_chunk_bytes: Optional[int] = None
     inference_chunk_max_threads: Optional[int] = None  # slice only with at most this many threads (None: any)
 
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
@@ -49,19 +53,71 @@ class AFBODeployed(AFBO):
         self.layout.set_grid(feat_size)
         # the fast paths are eager-only: TorchScript runs the reference, and so does torch.export (the CPU
         # path's Python loop over batch slices would fix the batch size)
-        if not torch.jit.is_scripting():
-            if not (self.training or torch.is_grad_enabled()) and self.has_fast_path():
-                # not under autocast (its out= matmuls would stay fp32), nor while torch.compile traces (dynamo
-                # cannot trace out= into strided views; inductor fuses the reference ops itself)
-                if x.device.type == 'cpu' and not autocasting(x) and not torch.compiler.is_compiling():
-                    return self._forward_cpu(x)
-                if kernels_usable(x):
-                    return self._forward_fused(x)
+        if not torch.jit.is_scripting() and self.has_fast_path():
+            if not (self.training or torch.is_grad_enabled()) and exporting():
+                return self._forward_export(x)
+            # the CPU path only in a plain eager call: not under autocast (its out= matmuls would stay fp32), nor
+            # while a graph is recorded (compile, export, jit.trace: inductor fuses the reference ops itself, and
+            # an exported program must hold no out= op or batch loop), nor under vmap
+            if x.device.type == 'cpu' and plain_eager_inference(x, self.training):
+                return self._forward_cpu(x)
+            if not (self.training or torch.is_grad_enabled() or building_graph()) and kernels_usable(x):
+                return self._forward_fused(x)
         return self._forward_reference(x)
 
     def fuse(self) -> 'AFBODeployed':
         """Already deployed: returns self (re-parameterizing twice is safe)."""
         return self
+
+    # -- export: the graph another runtime gets ------------------------------------------------
+    @torch.jit.unused
+    def _forward_export(self, x: torch.Tensor) -> torch.Tensor:
+        """The inference numbers as a plain graph for ``torch.export`` / ONNX (no in-place op, no batch loop).
+
+        * Each channel map is one dense matmul with its zero blocks (:meth:`ChannelMap.export_weight`, a
+          constant to the runtime): in ONNX Runtime that beat every grouped form (docs/cpu_deploy.md).
+        * Tokens and channels-last maps stay channels-last, the depthwise convs' layout changes right
+          around them (:func:`~vitblocks.layers.layout.conv_channels_last`, folded into ONNX Runtime's conv
+          reorders); channels-first maps (PoolFormer) stay channels-first, the maps and fc2 as 1x1 convs.
+        * Prefix tokens (no spatial op) go through the maps, product and fc2 on their own and join the patch
+          tokens' output after fc2, where it is ``d`` wide rather than ``Md`` wide.
+        """
+        spatial = self.spatial_kind is not None
+        w_left, w_right = self.left_map.export_weight(), self.right_map.export_weight()  # (Md, d) each
+        b_left, b_right = self.left_map.bias, self.right_map.bias
+        w2, b2 = self.fc2.weight, self.fc2.bias
+        if self.layout.channels_first:
+            if x.ndim != 4:
+                raise ValueError(f'AFBO (channels_first) expects (B, C, H, W), got shape {list(x.shape)}')
+            left = F.conv2d(x, w_left[:, :, None, None], b_left)  # (B, d, H, W) -> (B, Md, H, W)
+            right = F.conv2d(x, w_right[:, :, None, None], b_right)
+            if spatial:
+                left, right = self.left_spatial(left), self.right_spatial(right)
+            return F.conv2d(self._combine(left, right), w2[:, :, None, None], b2)  # (B, Md, H, W) -> (B, d, H, W)
+        prefix = None
+        tokens_as_map = x.ndim == 3 and spatial
+        if tokens_as_map:  # tokens: the patch tokens as a channels-last map, prefix tokens set aside
+            batch, n, d = x.shape
+            gh, gw = check_grid(self.layout, n, type(self).__name__)
+            p = self.layout.num_prefix_tokens
+            if p:
+                prefix, x = x[:, :p], x[:, p:]
+            x = x.reshape(batch, gh, gw, d)  # (B, H*W, d) -> (B, H, W, d)
+        elif x.ndim not in (3, 4):
+            raise ValueError(f'AFBO expects tokens (B, N, C) or a map, got shape {list(x.shape)}')
+        self.left_map.check_width(x)
+        left, right = F.linear(x, w_left, b_left), F.linear(x, w_right, b_right)  # (..., d) -> (..., Md)
+        if spatial:
+            left = conv_channels_last(self.left_spatial, left)
+            right = conv_channels_last(self.right_spatial, right)
+        out = F.linear(self._combine(left, right), w2, b2)  # (..., Md) -> (..., d)
+        if not tokens_as_map:
+            return out
+        out = out.flatten(1, 2)  # (B, H, W, d) -> (B, H*W, d)
+        if prefix is None:
+            return out
+        z = self._combine(F.linear(prefix, w_left, b_left), F.linear(prefix, w_right, b_right))  # (B, P, Md)
+        return torch.cat([F.linear(z, w2, b2), out], dim=1)  # (B, P + H*W, d)
 
     # -- CUDA: one grouped GEMM, one fused spatial/product kernel, fc2 in cuBLAS ----------------
     @torch.jit.unused
@@ -129,8 +185,8 @@ class AFBODeployed(AFBO):
           with one batched matmul (no layout copy); the depthwise convs read the patch tokens
           through a channels-last ``(b, Md, H, W)`` view, and the product is written back into
           the left branch's buffer, which fc2 reads (prefix tokens skip the convs, no concat).
-        * The batch runs in slices of about ``inference_chunk_bytes`` per thread per Md-wide
-          intermediate, with the slice buffers reused, so the intermediates of a slice stay in
+        * The batch runs in slices of about ``inference_chunk_bytes`` (default: one core's L2 cache)
+          per thread per Md-wide intermediate, with the slice buffers reused, so the intermediates of a slice stay in
           cache and no call pays for fresh pages (1.08-1.17x DeiT-T instead of 1.44x on 2 threads);
           not while ``torch.compile`` or tracing builds a graph (:func:`~vitblocks.layers.layout.batch_slice_size`).
         * Grouped weights (GCCM's pairs) are packed once per call, not once per slice.
@@ -159,7 +215,9 @@ class AFBODeployed(AFBO):
         if not torch.compiler.is_compiling():  # dynamo cannot trace get_num_threads (a graph break)
             threads = torch.get_num_threads()
             limit = self.inference_chunk_max_threads
-            budget = self.inference_chunk_bytes * threads if limit is None or threads <= limit else 0
+            per_thread = self.inference_chunk_bytes
+            budget = (slice_budget_bytes(threads) if per_thread is None else per_thread * threads) \
+                if limit is None or threads <= limit else 0
             step = batch_slice_size(B, per_image, budget) or B
         w_left, w_right = self.left_map.bmm_weight(), self.right_map.bmm_weight()
         buf_left, buf_right = rows.new_empty(step * N, hid), rows.new_empty(step * N, hid)
@@ -196,3 +254,5 @@ class AFBODeployed(AFBO):
                      groups=conv.groups)  # (b, C, H, W) channels-last in, channels-last out
         return y.permute(0, 2, 3, 1)
 
+
+register_deployed_form('afbo', AFBODeployed)

@@ -30,7 +30,7 @@ from typing import List, Optional, Type
 import torch
 from torch import nn
 
-from .layout import autocasting
+from .layout import plain_eager_inference
 
 __all__ = ['ChannelMap', 'DenseChannelMap', 'GroupedChannelMap', 'GroupedCrossChannelMap',
            'OverlappedCycleChannelMap', 'CHANNEL_MAPS', 'create_channel_map', 'map_cost', 'valid_group_numbers',
@@ -103,6 +103,22 @@ class ChannelMap(nn.Module):
         """The equivalent ``(Md, d)`` dense matrix, zeros included (for analysis and plots only)."""
         raise NotImplementedError
 
+    def input_channels(self) -> torch.Tensor:
+        """``(G, K)`` indices: the input channels batch g of :meth:`bmm_weight` reads, in its order.
+        Default: group g reads the g-th block of ``d/G`` channels (block-wise maps, GCCM)."""
+        return torch.arange(self.in_features, device=self.weight.device).view(self.groups, -1)
+
+    def export_weight(self) -> torch.Tensor:
+        """The ``(Md, d)`` dense matrix, zeros included, built from the parameters with plain ops (a scatter), for
+        exported graphs: ONNX Runtime folds it into a constant and runs the map as one dense MatMul, which measured
+        faster there than any grouped form of these maps (the transposes they need cost more than the zero
+        blocks' MACs; docs/cpu_deploy.md)."""
+        w = self.bmm_weight()  # (G, K, n)
+        g, k, n = w.shape
+        index = self.input_channels().unsqueeze(-1).expand(g, k, n)  # (G, K) -> (G, K, n)
+        full = w.new_zeros(g, self.in_features, n).scatter(1, index, w)  # (G, d, n): zeros off each group's rows
+        return full.transpose(1, 2).reshape(g * n, self.in_features)  # (G, d, n) -> (G, n, d) -> (Md, d)
+
     # -- shared forward ------------------------------------------------------------------
     def init_weights(self):
         nn.init.trunc_normal_(self.weight, std=.02)
@@ -120,10 +136,10 @@ class ChannelMap(nn.Module):
         self.check_width(x)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)  # (..., d) -> (T, d); a view for contiguous input
-        if torch.is_grad_enabled() or autocasting(rows) or torch.compiler.is_compiling():  # dynamo: no strided out=
-            y = self._matmul_autograd(rows)
-        else:
+        if plain_eager_inference(rows, False):  # out= into the output: not while a graph is recorded
             y = self.forward_into(rows, rows.new_empty(rows.shape[0], self.out_features))
+        else:
+            y = self._matmul_autograd(rows)
         return y.view(list(lead) + [self.out_features])  # (T, Md) -> (..., Md)
 
     def _matmul_autograd(self, rows: torch.Tensor) -> torch.Tensor:
@@ -181,6 +197,9 @@ class DenseChannelMap(ChannelMap):
         return torch.addmm(self.bias, rows, w.t(), out=out)
 
     def bmm_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def export_weight(self) -> torch.Tensor:
         return self.weight
 
     def dense_weight(self) -> torch.Tensor:
@@ -279,6 +298,11 @@ class OverlappedCycleChannelMap(ChannelMap):
         self.weight = nn.Parameter(torch.empty(groups, self.window, out_features // groups,
                                                device=device, dtype=dtype))  # (G, (G-1)d/G, Md/G)
         self.init_weights()
+
+    def input_channels(self) -> torch.Tensor:
+        gin = self.in_features // self.groups
+        start = torch.arange(self.groups, device=self.weight.device).unsqueeze(1) * gin  # (G, 1): first channel
+        return (start + torch.arange(self.window, device=self.weight.device)) % self.in_features  # (G, (G-1)d/G)
 
     def _input_view(self, x):
         gin = self.in_features // self.groups

@@ -25,7 +25,7 @@ from torch import nn
 
 from .activations import ConcatArbitraryActivations, act_fn, activation_name
 from .layout import TokenLayout
-from .registry import register_ffn
+from .registry import deployed_form, register_ffn
 
 __all__ = ['IFFN', 'DepthwiseBlock', 'SumOfNonlinearities']
 
@@ -246,9 +246,9 @@ class IFFN(nn.Module):
         feeds both the conv and its residual, with zero padding at the borders), cannot pass
         exactly into the following layer (docs/iffn_speed.md).
         """
-        from .iffn_deployed import IFFNDeployed  # the deployed form builds on this class
         w = self.fc2.weight
-        deployed = IFFNDeployed(**self._init_args, layout=self.layout, device=w.device, dtype=w.dtype)
+        # IFFNDeployed subclasses this class, so it is found in the registry rather than imported here
+        deployed = deployed_form('iffn')(**self._init_args, layout=self.layout, device=w.device, dtype=w.dtype)
         state = {k: v for k, v in self.state_dict().items() if not k.startswith('spatial.')}
         if self.spatial is not None:
             state.update({f'spatial.{k}': v for k, v in self.spatial.fuse().state_dict().items()})

@@ -23,7 +23,9 @@ from torch import nn
 from ..kernels import kernels_usable
 from .activations import act_fn, act_fn_
 from .iffn import IFFN, linear_weight, norm_channels_last
-from .layout import autocasting, batch_slice_size, check_grid, split_tokens
+from .cpu_cache import slice_budget_bytes
+from .layout import (autocasting, batch_slice_size, building_graph, check_grid, conv_channels_last, exporting,
+                     plain_eager_inference, split_tokens)
 from .rational_gelu import gelu_rational
 from .registry import register_deployed_form
 
@@ -40,9 +42,10 @@ class IFFNDeployed(IFFN):
     deploy = True
     fold_batchnorm = True  # IFFN.__init__ builds the depthwise block without its BatchNorm
 
-    # CPU path: process the batch in slices of about this many bytes of C'-wide hidden
-    # features; 0 = whole batch. See _forward_cpu; set per instance or on the class.
-    inference_chunk_bytes: int = 8 * 2 ** 20
+    # CPU path: process the batch in slices of about this many bytes of C'-wide hidden features. None (default):
+    # the level-2 caches of the intra-op threads together, read from the machine (layers/cpu_cache.py; the whole
+    # batch where the OS does not say); 0 = whole batch. See _forward_cpu; set per instance or on the class.
+    inference_chunk_bytes: Optional[int] = None
     # CPU path while torch.compile traces it: exact GELUs through the rational erf of
     # layers/rational_gelu.py (same function within 3e-7 relative, ~1.7x faster per element in
     # inductor's CPU kernels); False = torch's GELU. Set per instance or on the class. Needs a torch whose
@@ -53,12 +56,14 @@ class IFFNDeployed(IFFN):
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """``feat_size``: the grid ``(H, W)`` of this input, as timm's PVTv2 blocks pass it to their MLP."""
         self.layout.set_grid(feat_size)
-        if not torch.jit.is_scripting():
-            if not (self.training or torch.is_grad_enabled()):
-                if x.device.type == 'cpu' and not autocasting(x):  # its out= matmuls would skip autocast
-                    return self._forward_cpu(x)
-                if kernels_usable(x):
-                    return self._forward_fused(x)
+        if not torch.jit.is_scripting() and not (self.training or torch.is_grad_enabled()):
+            if exporting():
+                return self._forward_export(x)
+            if x.device.type == 'cpu' and (plain_eager_inference(x, self.training) or _compiling_for_cpu(x)):
+                return self._forward_cpu(x)
+            if not building_graph() and kernels_usable(x):
+                return self._forward_fused(x)
+        # training, autograd, vmap, TorchScript: plain functional ops
         return self._forward_reference(x)
 
     def fuse(self) -> 'IFFNDeployed':
@@ -82,6 +87,45 @@ class IFFNDeployed(IFFN):
     def _back_to_input_layout(self, out: torch.Tensor) -> torch.Tensor:
         out = norm_channels_last(self.norm_out, out, self.layout.channels_first)
         return out.permute(0, 3, 1, 2) if self.layout.channels_first else out  # (B, H, W, C) -> (B, C, H, W) view
+
+    # -- export: the graph another runtime gets ------------------------------------------------
+    @torch.jit.unused
+    def _forward_export(self, x: torch.Tensor) -> torch.Tensor:
+        """The inference numbers as a plain graph for ``torch.export`` / ONNX (no in-place op, no batch loop).
+
+        Channels-last throughout, like the CPU path: the depthwise conv's layout changes sit right around it
+        (:func:`~vitblocks.layers.layout.conv_channels_last`), so ONNX Runtime folds them into its conv's own
+        reorders, and the activation and residual run on the channels-last map. The reference ops put the
+        residual on the channels-first map, which costs ONNX Runtime two transposes of the C'-wide features
+        per block (IFFN-S FFN: 1.80x -> 1.58x timm's Mlp there; docs/cpu_deploy.md).
+        """
+        x = self._channels_last(x)
+        h = F.linear(x, linear_weight(self.fc1), self.fc1.bias)  # (..., C) -> (..., C'/N)
+        if self.channel_part:
+            a = self.act
+            u = torch.addcmul(a.gamma, a.alpha, h.unsqueeze(-2))  # (..., 1, C'/N) -> (..., N, C'/N), Eq. 3 inside
+            u = torch.addcmul(a.theta, a.beta, act_fn(a.base)(u))  # Eq. 3 outside
+            y = norm_channels_last(self.norm, u.flatten(-2), self.layout.channels_first)  # -> (..., C'), Eq. 5
+        else:
+            y = act_fn(self.act.name)(h)
+        if self.spatial is not None:
+            prefix = None
+            if y.ndim == 3:  # tokens: the patch tokens as a channels-last map, prefix tokens set aside
+                batch, n, c = y.shape
+                gh, gw = check_grid(self.layout, n, type(self).__name__)
+                p = self.layout.num_prefix_tokens
+                if p:
+                    prefix, y = y[:, :p], y[:, p:]
+                fmap = y.reshape(batch, gh, gw, c)  # (B, H*W, C') -> (B, H, W, C')
+            else:
+                fmap = y
+            z = act_fn(self.spatial.act_name)(conv_channels_last(self.spatial.conv, fmap))
+            fmap = fmap + z  # the depthwise block's residual
+            y = fmap if x.ndim == 4 else fmap.flatten(1, 2)  # (B, H, W, C') -> (B, H*W, C') for tokens
+            if prefix is not None:
+                y = torch.cat([prefix, y], dim=1)
+        out = F.linear(y, linear_weight(self.fc2), self.fc2.bias)  # (..., C') -> (..., C)
+        return self._back_to_input_layout(out)
 
     # -- CUDA: cuBLAS GEMMs around two fused Triton kernels ---------------------------------
     @torch.jit.unused
@@ -124,7 +168,8 @@ class IFFNDeployed(IFFN):
         * The N activations are written by broadcasting into one ``(..., N, C'/N)`` buffer and
           finished in place (no concat copy); the spatial residual is added in place into the
           patch tokens (prefix tokens stay where they are, no concat).
-        * The batch runs in slices of about 8 MiB of hidden features (``inference_chunk_bytes``),
+        * The batch runs in slices of hidden features about the size of the threads' L2 caches
+          (``inference_chunk_bytes``),
           so the C'-wide intermediates stay in cache and the allocator recycles them: fresh tensors
           of tens of MB are mapped and zero-filled page by page on every allocation, which costs
           more than the element-wise arithmetic itself. Slicing multiplies the ops (each a
@@ -151,7 +196,8 @@ class IFFNDeployed(IFFN):
     def _slice_size(self, x: torch.Tensor) -> Optional[int]:
         """Samples per batch slice of the CPU path, None for one slice (``inference_chunk_bytes``)."""
         per_sample = math.prod(x.shape[1:-1]) * self.hidden_features * x.element_size()  # hidden bytes
-        return batch_slice_size(x.shape[0], per_sample, self.inference_chunk_bytes)
+        budget = slice_budget_bytes() if self.inference_chunk_bytes is None else self.inference_chunk_bytes
+        return batch_slice_size(x.shape[0], per_sample, budget)
 
     def _hidden_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """fc1, activations, norm and spatial part of a channels-last slice ``(b, ..., C) -> (b, ..., C')``.
@@ -163,8 +209,7 @@ class IFFNDeployed(IFFN):
         """
         h = F.linear(x, linear_weight(self.fc1), self.fc1.bias)  # (..., C) -> (..., C'/N)
         cf = self.layout.channels_first
-        # torch.export traces through here too: an exported program keeps torch's GELU op (ONNX Gelu)
-        compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+        compiling = torch.compiler.is_compiling()  # torch.compile (an export takes the reference ops)
         activate = self._activate_compiled if compiling else _activate_
         if self.channel_part and compiling:
             a = self.act
@@ -201,6 +246,12 @@ class IFFNDeployed(IFFN):
 
 
 register_deployed_form('iffn', IFFNDeployed)
+
+
+def _compiling_for_cpu(x: torch.Tensor) -> bool:
+    """``torch.compile`` (not ``torch.export``, nor under autocast) tracing a CPU inference call: it traces the
+    CPU path's functional form (:meth:`IFFNDeployed._hidden_cpu`), whose exact GELU inductor runs faster."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting() and not autocasting(x)
 
 
 def _activate_(name: str, x: torch.Tensor) -> torch.Tensor:

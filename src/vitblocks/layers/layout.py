@@ -165,12 +165,51 @@ def autocasting(t: torch.Tensor) -> bool:
     return False
 
 
+def building_graph() -> bool:
+    """Whether this call is being recorded into a graph or transformed rather than simply run: ``torch.compile``
+    or ``torch.export`` (the default ONNX exporter too) tracing it, ``torch.jit.trace`` (the legacy ONNX exporter),
+    or a ``torch.func`` transform (``vmap``, ``grad``). Such a call must take plain functional ops: in-place
+    and ``out=`` ops become part of the recorded program (a loaded ``.pt2`` then refuses autograd, the legacy
+    ONNX exporter writes a wrong graph, ``vmap`` has no batching rule for them), and a loop over batch slices
+    would fix the batch size."""
+    if torch.jit.is_scripting():
+        return False
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
+def exporting() -> bool:
+    """Whether a graph is being recorded for another runtime: ``torch.export`` (``.pt2`` files and the default ONNX
+    exporter) or ``torch.jit.trace`` (the legacy ONNX exporter); not ``torch.compile``, which stays in PyTorch."""
+    if torch.jit.is_scripting():
+        return False
+    return torch.compiler.is_exporting() or torch.jit.is_tracing()
+
+
+def conv_channels_last(conv: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``conv`` (a ``(B, C, H, W)`` op) applied to a channels-last ``(B, H, W, C)`` map; returns ``(B, H, W, C)``.
+
+    For exported graphs: the two layout changes sit right around the conv and nothing else reads them, so ONNX
+    Runtime folds both into the layout reorders of its blocked (NCHWc) convolution instead of running two
+    transposes of the map, and the element-wise work around the conv stays channels-last."""
+    return conv(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)  # (B, H, W, C) -> (B, C, H, W) -> (B, H, W, C)
+
+
+def plain_eager_inference(x: torch.Tensor, training: bool) -> bool:
+    """Whether a deployed layer may take its eager fast path (in-place ops, ``out=`` matmuls, batch slices) for
+    ``x``: an inference call (eval mode, autograd off) that is simply run, not recorded (:func:`building_graph`),
+    and not under autocast (a matmul with ``out=`` would skip its casts). False in TorchScript."""
+    if torch.jit.is_scripting():
+        return False
+    return not (training or torch.is_grad_enabled() or building_graph() or autocasting(x))
+
+
 def batch_slice_size(batch: int, per_sample_bytes: int, budget_bytes: int) -> Optional[int]:
     """Samples per slice of an inference path that runs the batch in slices whose wide intermediates
     hold about ``budget_bytes``; ``None`` for the whole batch at once: no budget, a batch that fits,
     or while ``torch.compile`` / tracing builds a graph (compilers plan memory themselves, and an
     export must keep the batch size free)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if building_graph():
         return None
     return slice_step(batch, per_sample_bytes, budget_bytes)
 

@@ -8,7 +8,10 @@ registry tests and profiling then pick it up.
 
 A block with a separate inference form (``fuse()`` returns it) registers that class with
 :func:`register_deployed_form`; ``create_ffn(name, ..., deploy=True)`` (and so a registered model's
-``block_cfg={'deploy': True}``) then builds the inference form directly, so fused checkpoints load.
+``block_cfg={'deploy': True}``) then builds the inference form directly, so fused checkpoints load. The
+training form's ``fuse()`` finds its inference form here too (:func:`deployed_form`), so the training module
+never imports the deployed one (which subclasses it): the deployed module registers itself, and
+``vitblocks.layers`` imports every deployed module with the layers.
 
 ``inherits`` names the constructor knobs that mean the same thing in the block and in the MLP
 it replaces, so that ``swap_ffn`` carries the replaced MLP's value over unless the caller sets
@@ -23,8 +26,8 @@ from typing import Callable, Dict, Optional, Tuple
 from torch import nn
 
 
-__all__ = ['register_ffn', 'register_deployed_form', 'create_ffn', 'list_ffns', 'FFN_REGISTRY', 'FFN_INHERITS',
-           'FFN_DEPLOYED']
+__all__ = ['register_ffn', 'register_deployed_form', 'deployed_form', 'create_ffn', 'list_ffns', 'FFN_REGISTRY',
+           'FFN_INHERITS', 'FFN_DEPLOYED']
 
 FFN_REGISTRY: Dict[str, Callable[..., nn.Module]] = {}
 FFN_INHERITS: Dict[str, Tuple[str, ...]] = {}  # name -> knobs swap_ffn carries over from the replaced MLP
@@ -53,6 +56,16 @@ def register_deployed_form(name: str, cls: Callable[..., nn.Module]) -> None:
     if name not in FFN_REGISTRY:
         raise ValueError(f'FFN {name!r} is not registered; register it before its deployed form')
     FFN_DEPLOYED[name] = cls
+
+
+def deployed_form(name: str) -> Callable[..., nn.Module]:
+    """The inference form registered for the FFN ``name`` (what its ``fuse()`` builds)."""
+    if name not in FFN_DEPLOYED:
+        known = ', '.join(sorted(FFN_DEPLOYED)) or 'none'
+        raise LookupError(f'FFN {name!r} has no registered deployed form (registered: {known}); its deployed module '
+                          f'registers it with register_deployed_form({name!r}, cls) when imported, and '
+                          f'vitblocks.layers imports them all: import vitblocks.layers first')
+    return FFN_DEPLOYED[name]
 
 
 def list_ffns():

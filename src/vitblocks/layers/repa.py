@@ -34,7 +34,7 @@ from torch import nn
 
 from .activations import _MODULE_ACTIVATIONS, act_fn_, activation_name, get_base_activation
 from .batchnorm import TokenBatchNorm
-from .layout import TokenLayout
+from .layout import TokenLayout, plain_eager_inference
 
 __all__ = ['RePaFFN', 'RePaDeployedFFN', 'TokenBatchNorm', 'active_channels', 'check_idle_ratio', 'repa_ffn']
 
@@ -324,9 +324,9 @@ class RePaDeployedFFN(nn.Module):
         active = h.narrow(dim, self.linear_features, self.active_features)
         if not torch.jit.is_scripting():
             # no autograd: activate and accumulate in place, no new buffers; autocast does not cover the
-            # in-place addmm_ (bf16 activations against the fp32 weight), so it takes the out-of-place path
-            autocast = x.device.type != 'meta' and torch.is_autocast_enabled(x.device.type)  # meta: no autocast
-            if not torch.is_grad_enabled() and not autocast:
+            # in-place addmm_ (bf16 activations against the fp32 weight), and a recorded graph (export,
+            # jit.trace, vmap) takes plain ops, so both take the out-of-place path
+            if x.device.type != 'meta' and plain_eager_inference(x, False):  # meta: no autocast query
                 active = act_fn_(self.act_name)(active)
                 if self.channels_first:
                     return out.add_(self.fc2(active))  # (B, K, H, W) -> (B, C, H, W)

@@ -6,9 +6,11 @@ RePa evaluates the trained model and its folded (deployed) form in fp32 on the t
 (``fold.json``: both top-1s and how many predictions differ). ``summarize`` measures each
 configuration (top-1 per seed, params, GMACs and CPU latency of the deployed form) and ``table``
 renders it (top-1 mean and sample std over seeds, the difference to vanilla, latency relative to
-vanilla). The CLI (``vitblocks reproduce cifar10-blocks``) adds the plots.
+vanilla), and ``write_outputs`` saves the summary and the plots. The command line is
+``vitblocks reproduce cifar10-blocks``; the run folders are handled by :mod:`.common`.
 """
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -19,14 +21,15 @@ from timm.utils import reparameterize_model
 from ..data import DataError, data_roots
 from ..experiments.checkpoint import load_model_weights
 from ..experiments.config import TrainConfig, load_config, load_recipe, merge
+from ..experiments.plots import TradeoffPoint, plot_curves, plot_tradeoff
 from ..experiments.runlog import read_json, write_json
 from ..experiments.setup import create_model, make_loader, resolve_device, setup_data
 from ..models.blocks_bench import BLOCK_CONFIGS, MAIN_CONFIGS, bench_model_name
 from ..profile import benchmark_models, count_macs, count_params, fixed_threads
-from .ninformer_table1 import budget_overrides, find_dataset, run_or_reuse
+from .common import budget_overrides, find_dataset, run_or_reuse
 
 __all__ = ['BENCH_CONFIGS', 'ALL_CONFIGS', 'BENCH_SEEDS', 'BenchRun', 'bench_config', 'select_configs',
-           'run_benchmark', 'check_fold', 'summarize', 'table', 'PAPER_CLAIMS']
+           'run_benchmark', 'check_fold', 'summarize', 'table', 'write_outputs', 'PAPER_CLAIMS']
 
 BENCH_CONFIGS = MAIN_CONFIGS  # the default table: each paper's block in its default setting
 ALL_CONFIGS = tuple(c[0] for c in BLOCK_CONFIGS)  # + the locality controls and the papers' ablations
@@ -216,3 +219,20 @@ def table(summaries: Sequence[ConfigSummary]):
     notes.append('top-1: final epoch, un-augmented test split; std: sample std over seeds; GMACs and latency of the '
                  'deployed form (timm reparameterize_model), latency: ms per batch on this CPU, measured interleaved')
     return headers, rows, 'lrrrrrr', notes
+
+
+def write_outputs(runs: Sequence[BenchRun], summaries: Sequence[ConfigSummary], output, latency_batch: int) -> None:
+    """summary.json, every run's curves.png and tradeoff.png (accuracy vs GMACs and vs latency, measured at
+    ``latency_batch`` images a batch) in ``output``."""
+    out = Path(output)
+    write_json(out / 'summary.json', [{
+        'config': s.config, 'top1': s.top1, 'params': s.params, 'deployed_params': s.deployed_params,
+        'gmacs': s.gmacs, 'cpu_latency_ms': s.latency_ms, 'trained_fp32_top1': s.trained_fp32_top1,
+        'folded_top1': s.folded_top1, 'fold_predictions_differ': s.fold_differ} for s in summaries])
+    try:
+        for r in runs:
+            plot_curves(r.run_dir)
+        points = [TradeoffPoint(s.config, sum(s.top1) / len(s.top1), s.gmacs, s.latency_ms) for s in summaries]
+        print(plot_tradeoff(points, out / 'tradeoff.png', f'batch {latency_batch}, CPU'))
+    except ImportError as e:  # matplotlib missing
+        print(f'no plots: {e}', file=sys.stderr)

@@ -15,14 +15,12 @@ the seed spread of the paired differences, and a verdict:
   a depthwise conv at the same parameters) that reads *not separable from locality*.
 """
 import statistics
-import tarfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .blocks_benchmark import BENCH_SEEDS
 
-__all__ = ['Tier', 'EVIDENCE_PLAN', 'Claim', 'CLAIMS', 'verdicts', 'verdict_table', 'archive_runs', 'LONG_EPOCHS']
+__all__ = ['Tier', 'EVIDENCE_PLAN', 'Claim', 'CLAIMS', 'verdicts', 'verdict_table', 'remaining_runs', 'LONG_EPOCHS']
 
 LONG_EPOCHS = 100
 
@@ -129,22 +127,3 @@ def verdict_table(rows: Sequence[Dict]):
 def remaining_runs(plan: Sequence[Tier], finished) -> List[Tuple[Tier, str, int]]:
     """(tier, config, seed) of every run of the plan for which ``finished(tier, config, seed)`` is False."""
     return [(tier, c, s) for tier in plan for c in tier.configs for s in tier.seeds if not finished(tier, c, s)]
-
-
-def archive_runs(folders: Sequence[Path], archive: Path) -> int:
-    """Pack the runs under ``folders`` (configs, metrics, results, logs and the tables; no checkpoints) into one
-    ``.tar.gz``, each folder under its own name, written atomically; returns how many finished runs (with
-    ``results.json``) it holds."""
-    archive = Path(archive)
-    tmp = archive.with_name(archive.name + '.tmp')
-    finished = 0
-    with tarfile.open(tmp, 'w:gz') as tar:
-        for folder in map(Path, folders):
-            if not folder.is_dir():
-                continue
-            for path in sorted(folder.rglob('*')):
-                if path.is_file() and path.suffix not in ('.pth', '.tmp') and path.resolve() != archive.resolve():
-                    tar.add(path, arcname=str(path.relative_to(folder.parent)))
-                    finished += path.name == 'results.json'
-    tmp.replace(archive)
-    return finished

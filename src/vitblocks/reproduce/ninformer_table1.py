@@ -1,4 +1,4 @@
-"""Reproduction harnesses: train a paper's models with its recipe and print ours next to its table.
+"""NiNformer's Table 1: train the paper's models with its recipe and print ours next to its table.
 
 ``ninformer_table1``: the four models of NiNformer's Table 1 (ViT, MLP-Mixer, LocalViT,
 NiNformer; rows and published accuracies from ``vitblocks/papers/ninformer.yaml``) trained with
@@ -9,26 +9,22 @@ evaluates with the training augmentation; we do not).
 
 Runs go to ``<output>/<dataset>/<model>``; a finished run is reused, an interrupted one is
 resumed, and one run on a smaller budget (``--max-steps``, ``--epochs``) is continued, so the
-command can be re-run after a crash or with a larger budget.
+command can be re-run after a crash or with a larger budget (the run folders: :mod:`.common`).
 """
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-
 from ..data import DataError, data_roots
-from ..experiments.config import RESUME_CHANGEABLE, TrainConfig, load_config, load_recipe, merge
-from ..experiments.engine import train
-from ..experiments.runlog import read_metrics, read_stop_record
-from ..experiments.setup import create_model
+from ..experiments.config import TrainConfig, load_recipe, merge
+from ..experiments.runlog import read_stop_record
 from ..papers import load_paper
-from ..profile import count_params
+from .common import budget_overrides, find_dataset, is_finished, read_run, run_or_reuse
 
-__all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'read_run', 'ninformer_config', 'ninformer_jobs',
-           'ninformer_data', 'table_rows', 'find_dataset', 'run_or_reuse', 'select_rows', 'budget_overrides',
-           'ninformer_rechecks', 'ninformer_log', 'ninformer_own_models']
+__all__ = ['NINFORMER_DATASETS', 'TableRun', 'ninformer_table1', 'ninformer_config', 'ninformer_run_config',
+           'ninformer_finished', 'ninformer_jobs', 'ninformer_data', 'table_rows', 'select_rows', 'ninformer_rechecks',
+           'ninformer_log', 'ninformer_own_models']
 
 # dataset -> (paper table number, folder name, recipe overrides). The authors' script is a
 # CIFAR script (random crop with 4-pixel padding, horizontal flips); the paper states no
@@ -54,120 +50,6 @@ class TableRun:
     seconds: float = 0.0
     run_dir: Optional[Path] = None
     note: str = ''
-
-
-def find_dataset(name: str, root: Optional[str]) -> Optional[Path]:
-    """``<root>/<name>`` for the first root holding it (``root``, else ``data_roots()``), or None."""
-    if root and not Path(root).is_dir():
-        raise DataError(f'--data-root {root}: no such folder; give the folder that holds {name}/')
-    roots = [Path(root)] if root else data_roots()
-    for r in roots:
-        if (r / name).exists():
-            return r / name
-    return None
-
-
-# keys that change how a run is executed but not what it computes up to its budget (grad_accum changes the
-# global batch of a run on the same number of processes, so it is not one of them)
-_SAME_RESULT = RESUME_CHANGEABLE - {'epochs', 'max_steps', 'grad_accum'}
-
-
-def _check_same_model(cfg: TrainConfig, results: Dict, run_dir: Path) -> None:
-    """A finished run is only reused if the model it trained is still the one its name builds: the
-    config holds the name, not the definition, so compare parameter counts (built on the meta device)."""
-    with torch.device('meta'):
-        params = count_params(create_model(cfg, len(results['classes'])))
-    if params != results['params']:
-        raise DataError(f'{run_dir} trained a {results["params"]:,}-parameter {cfg.model}, but that name now builds '
-                        f'{params:,} parameters (its definition changed since): remove the folder to train it '
-                        f'again, or use another --output')
-
-
-def _differing_keys(a: TrainConfig, b: TrainConfig) -> List[str]:
-    """The config keys in which ``a`` and ``b`` differ, sorted."""
-    a, b = a.to_dict(), b.to_dict()
-    return sorted(k for k, v in a.items() if b.get(k) != v)
-
-
-def _changed_keys(cfg: TrainConfig, run_dir: Path) -> List[str]:
-    """The config keys in which the run in ``run_dir`` (its config.yaml) differs from ``cfg``, sorted."""
-    return _differing_keys(cfg, load_config(run_dir / 'config.yaml'))
-
-
-def _reusable_results(cfg: TrainConfig, run_dir: Path, changed: Sequence[str]) -> Optional[Dict]:
-    """The results of the finished run in ``run_dir`` if it differs from ``cfg`` only in keys that do not change
-    a result (e.g. --threads, --device) and still builds the same model; else None."""
-    results = run_dir / 'results.json'
-    if not (set(changed) <= _SAME_RESULT and results.exists()):
-        return None
-    done_results = json.loads(results.read_text())
-    _check_same_model(cfg, done_results, run_dir)
-    return done_results
-
-
-def _refuse_other_config(run_dir: Path, changed: Sequence[str]) -> None:
-    """A run that differs from the asked one in keys a resume may not change is an error."""
-    if set(changed) - RESUME_CHANGEABLE:
-        raise DataError(f'{run_dir} holds a run with another config ({", ".join(changed)} differ); '
-                        f'remove it or use another --output')
-
-
-def result_changing_keys(a: TrainConfig, b: TrainConfig) -> List[str]:
-    """The config keys in which ``a`` and ``b`` differ, but those that cannot change a run's result (threads,
-    device, logging: a finished run is reused across them), sorted."""
-    return [k for k in _differing_keys(a, b) if k not in _SAME_RESULT]
-
-
-def is_finished(cfg: TrainConfig, run_dir: Path) -> bool:
-    """Whether ``run_or_reuse(cfg, run_dir)`` would reuse a finished run rather than train (a harness starts no
-    process for it)."""
-    if not (run_dir / 'config.yaml').exists():
-        return False
-    return _reusable_results(cfg, run_dir, _changed_keys(cfg, run_dir)) is not None
-
-
-def run_or_reuse(cfg: TrainConfig, run_dir: Path) -> Dict:
-    """Reuse a finished run of this config (the results alone suffice: checkpoints may be gone), continue
-    one that stopped or ran on a smaller budget (only ``RESUME_CHANGEABLE`` keys may differ), else start it."""
-    last, results = run_dir / 'last.pth', run_dir / 'results.json'
-    if (run_dir / 'config.yaml').exists():
-        changed = _changed_keys(cfg, run_dir)
-        done_results = _reusable_results(cfg, run_dir, changed)
-        if done_results is not None:
-            return done_results
-        if last.exists():
-            _refuse_other_config(run_dir, changed)
-            train(cfg, run_dir=run_dir, resume=last)
-            return json.loads(results.read_text())
-        if results.exists():  # finished, its checkpoints gone: nothing to continue, and its results to keep
-            raise DataError(f'{run_dir} holds the results of a run with another config ({", ".join(changed)} '
-                            f'differ) and no last.pth to continue it from; remove the folder to train it again, or '
-                            f'use another --output')
-    train(cfg, run_dir=run_dir)
-    return json.loads(results.read_text())
-
-
-def read_run(cfg: TrainConfig, run_dir: Path) -> Optional[Dict]:
-    """What ``run_dir`` holds of a run of ``cfg``, without training: a finished run's results (as
-    ``run_or_reuse`` reuses them), else the progress of the same run stopped or still going (another budget
-    included): ``final.top1`` of its last test evaluation, ``best_top1``, ``epochs``, ``global_step``,
-    ``seconds`` from metrics.csv, and ``unfinished: True``. None if there is no run or no test evaluation yet;
-    a run of another config is an error, as for ``run_or_reuse``."""
-    if not (run_dir / 'config.yaml').exists():
-        return None
-    changed = _changed_keys(cfg, run_dir)
-    results = _reusable_results(cfg, run_dir, changed)
-    if results is not None:
-        return results
-    _refuse_other_config(run_dir, changed)
-    metrics = run_dir / 'metrics.csv'
-    evals = [r for r in read_metrics(metrics) if r['split'] == 'val'] if metrics.exists() else []
-    if not evals:
-        return None
-    last = evals[-1]
-    return {'final': {'top1': float(last['top1'])}, 'best_top1': max(float(r['top1']) for r in evals),
-            'epochs': float(last['epoch']), 'global_step': int(last['step']), 'seconds': float(last['elapsed_s']),
-            'unfinished': True}
 
 
 def _row_names(row) -> List[str]:
@@ -284,14 +166,6 @@ def ninformer_config(ds: str, row, data: Path, epochs: Optional[int] = None, max
              'num_classes': row.base_kwargs.get('num_classes')}
     budget = budget_overrides(epochs, max_steps, train_subset, test_subset, threads)
     return merge(load_recipe('ninformer'), NINFORMER_DATASETS[ds][2], layer, budget, extra or {})
-
-
-def budget_overrides(epochs: Optional[int] = None, max_steps: Optional[int] = None, train_subset: Optional[int] = None,
-                     test_subset: Optional[int] = None, threads: Optional[int] = None) -> Dict:
-    """The config keys of a harness's budget options, only those given."""
-    given = {'epochs': epochs, 'max_steps': max_steps, 'train_subset': train_subset, 'val_subset': test_subset,
-             'threads': threads}
-    return {k: v for k, v in given.items() if v is not None}
 
 
 def table_rows(runs: Sequence[TableRun]):
