@@ -53,7 +53,7 @@ from safetensors.torch import load_model, save_model
 from timm.layers import to_2tuple
 from torch import nn
 
-from ..models.recipe import recipe_of, replay_surgery
+from ..models.recipe import json_ready, recipe_of, replay_surgery
 from .fingerprint import REFERENCE_KEY, check_reference_output, reference_output
 
 __all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'is_deployed_file', 'recorded_sizes',
@@ -113,7 +113,8 @@ def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
         The path written.
 
     Raises:
-        ValueError: ``build_kwargs`` that are not JSON (a class or a function) or that name a size.
+        ValueError: ``block_cfg`` or ``build_kwargs`` that are not JSON (a class or a function), or
+            ``build_kwargs`` that name a size.
     """
     deployed = _reparameterize(model, inplace=False)
     architecture = name or _architecture(model)
@@ -140,9 +141,15 @@ def _recipe_metadata(model: nn.Module, architecture: str, block_cfg: Optional[Di
     same = build.get('name', '').split('.')[0] == architecture.split('.')[0] != ''
     out: Dict[str, Any] = {}
     cfg = block_cfg if block_cfg is not None else build.get('block_cfg') if same else None
+    if cfg and not json_ready(cfg):  # a class or a function: not a file's; loading by the file refuses
+        if block_cfg is not None:
+            raise ValueError(f'block_cfg {block_cfg}: a file records names and numbers only; give the registry '
+                             f'names (act_layer=\'silu\') or load the file into a model you build')
+        cfg = None  # recipe['unrecordable'] says why
     if cfg:
         out['block_cfg'] = cfg
-    kwargs = {k: v for k, v in (build.get('kwargs') or {}).items() if k not in SIZE_KEYS} if same else {}
+    kwargs = {k: v for k, v in (build.get('kwargs') or {}).items() if k not in SIZE_KEYS and json_ready(v)} \
+        if same else {}
     if kwargs:
         out['build_kwargs'] = kwargs
     if recipe.get('surgery'):
@@ -156,7 +163,6 @@ def _recipe_metadata(model: nn.Module, architecture: str, block_cfg: Optional[Di
 
 
 def _checked_build_kwargs(build_kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    from ..models.recipe import json_ready
     sizes = sorted(set(build_kwargs) & set(SIZE_KEYS))
     if sizes:
         raise ValueError(f'build_kwargs {sizes}: the sizes are read from the model itself; drop them')
