@@ -309,7 +309,8 @@ def test_cli_exports_deployed_weights_and_checks(tmp_path, capsys):
                            '--out', str(out), '--batch-size', '1', '--check')
     assert code == 0 and out.is_file(), err
     # --batch-size 1 with a dynamic batch is traced at 2 (torch.export would fix a batch of 1), and says so
-    assert 'deployed' in text and 'input 2x3x32x32, batch dynamic' in text and 'torch.export.load, batch 2' in text
+    assert 'deployed' in text and 'input 2x3x32x32, batch dynamic' in text
+    assert 'torch.export.load, called with autograd on and under no_grad, batch 2' in text
     assert float(text.split('max abs error ')[1].split()[0]) < 1e-5
 
 

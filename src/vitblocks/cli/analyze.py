@@ -14,11 +14,13 @@ import yaml
 from torch import nn
 
 from ..data import DataError, build_dataset, build_pil_transform, eval_split_of
+from ..deploy.io import (DeployedCheckpointError, is_deployed_file, load_deployed, read_deployed_metadata,
+                         recorded_preprocessing)
 from ..profile import input_size_of
 from . import analyze_run
 from ..analysis.figures import figure_format
 from .common import (CliError, build_model, check_writable_file, load_trained_model, parse_block_cfg, positive_int,
-                     resolve)
+                     refuse_exported_file, resolve)
 
 NAME = 'analyze'
 
@@ -92,18 +94,53 @@ class Loaded:
     std: Optional[Tuple[float, ...]]
 
 
-def load_model(name: str, checkpoint: Optional[str], block_cfg, input_size, model_kwargs=None) -> Loaded:
-    """Build ``name`` and load ``checkpoint`` (a vitblocks run checkpoint rebuilds the model as trained)."""
+def load_model(name: str, checkpoint: Optional[str], block_cfg, input_size, model_kwargs=None,
+               analysis: str = 'gradcam') -> Loaded:
+    """Build ``name`` and load ``checkpoint`` (a vitblocks run checkpoint rebuilds the model as trained; a deployed
+    file, for the analyses of a model's outputs, is loaded by the file alone as ``vitblocks eval`` does)."""
     name = resolve(name)
     if not checkpoint or checkpoint == '-':
         model = build_model(name, block_cfg, model_kwargs)
         size = tuple(input_size) if input_size else _input_size(model)
         return Loaded(name, f'{name} (random init)', model, size, None, None)
     path = Path(checkpoint)
+    refuse_exported_file(path, '--checkpoint', 'give the deployed safetensors file or the run checkpoint it was '
+                                               'exported from')
+    if is_deployed_file(path):
+        return _load_deployed(name, path, block_cfg, input_size, model_kwargs, analysis)
     model, meta = load_trained_model(name, path, block_cfg, model_kwargs, overrides='--block-cfg/--model-kwargs')
     size = tuple(input_size) if input_size else tuple(meta.get('input_size') or _input_size(model))
     mean, std = (tuple(meta['mean']), tuple(meta['std'])) if meta.get('mean') else (None, None)
     return Loaded(name, f'{name} ({path})', model, size, mean, std)
+
+
+# analyses that read the model's outputs (and their gradients) only, which the deployed form computes alike; the
+# others read the training form's blocks (its BatchNorms, its unfolded layers)
+DEPLOYED_ANALYSES = ('gradcam',)
+
+
+def _load_deployed(name: str, path: Path, block_cfg, input_size, model_kwargs, analysis: str) -> Loaded:
+    """A deployed file (``save_deployed``), built by the name, sizes and config it records."""
+    if analysis not in DEPLOYED_ANALYSES:
+        raise CliError(f'--checkpoint {path} is a deployed file (folded for inference); {analysis} reads the training '
+                       f'form\'s blocks: give the run checkpoint it was deployed from ({", ".join(DEPLOYED_ANALYSES)} '
+                       f'takes deployed files)')
+    if block_cfg or model_kwargs:
+        raise CliError(f'--checkpoint {path} is a deployed file: it records its block config and sizes; drop '
+                       f'--block-cfg/--model-kwargs')
+    try:
+        metadata = read_deployed_metadata(path)
+        saved = metadata.get('architecture', '')
+        if saved and saved.split('.')[0] != name.split('.')[0]:
+            raise CliError(f'--checkpoint {path} holds the deployed weights of {saved}, not {name}; name {saved}')
+        model = load_deployed(saved or name, path)
+    except DeployedCheckpointError as e:
+        raise CliError(str(e)) from None
+    recorded = recorded_preprocessing(metadata)
+    size = tuple(input_size or recorded.get('input_size') or _input_size(model))
+    mean, std = (tuple(recorded['mean']), tuple(recorded['std'])) if recorded.get('mean') and recorded.get('std') \
+        else (None, None)
+    return Loaded(name, f'{name} (deployed {path})', model, size, mean, std)
 
 
 def _input_size(model: nn.Module) -> Tuple[int, int, int]:
@@ -169,7 +206,8 @@ def run(args) -> int:
     device = torch.device(getattr(args, 'device', 'cpu'))  # only breakdown runs off the CPU
     if device.type == 'cuda' and not torch.cuda.is_available():
         raise CliError('--device cuda: no CUDA device here; use --device cpu')
-    models = [load_model(m, c, block_cfg, args.input_size, args.model_kwargs) for m, c in zip(args.models, ckpts)]
+    models = [load_model(m, c, block_cfg, args.input_size, args.model_kwargs, args.analysis)
+              for m, c in zip(args.models, ckpts)]
     sizes = {m.input_size for m in models}
     if len(sizes) > 1 and args.analysis != 'breakdown':
         raise CliError(f'the models expect different input sizes {sorted(sizes)}; give --input-size')

@@ -20,7 +20,8 @@ from ..text_tables import render_table
 __all__ = ['CliError', 'ArgumentParser', 'resolve', 'is_vitblocks_model', 'build_model', 'describe_model',
            'format_cfg', 'parse_block_cfg', 'positive_int', 'positive_float', 'non_negative_int', 'render_table',
            'progress', 'end_progress', 'check_writable_dir', 'check_writable_file', 'add_model_size_args',
-           'model_size_kwargs', 'load_trained_model', 'refuse_disagreeing_flags']
+           'model_size_kwargs', 'load_trained_model', 'refuse_disagreeing_flags', 'non_negative_float',
+           'exported_file_kind', 'refuse_exported_file']
 
 
 class CliError(Exception):
@@ -60,6 +61,34 @@ def positive_float(text: str) -> float:
 
 def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (NaN, infinities and negative numbers are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < float('inf'):
+        raise argparse.ArgumentTypeError(f'expected a finite number >= 0, got {text!r}')
+    return value
+
+
+# files `vitblocks export` writes that hold a traced program, not weights to build a model for
+EXPORTED_KINDS = {'.pt2': 'a torch.export program (.pt2)', '.onnx': 'an ONNX model (.onnx)'}
+
+
+def exported_file_kind(path) -> Optional[str]:
+    """What an exported program file is (by its suffix), or None for anything else."""
+    return EXPORTED_KINDS.get(Path(path).suffix.lower())
+
+
+def refuse_exported_file(path, flag: str, instead: str) -> None:
+    """A CliError when ``path`` is an exported program (.pt2 / .onnx): it holds a traced graph, not weights."""
+    kind = exported_file_kind(path)
+    if kind:
+        raise CliError(f'{flag} {path} is {kind}, a traced graph written by `vitblocks export`, not a checkpoint; '
+                       f'{instead}')
 
 
 def resolve(name: str) -> str:

@@ -18,7 +18,8 @@ from ..experiments.runlog import write_json
 from ..experiments.setup import (DataSetup, auto_pipeline, create_model, make_loader, model_input_size, norm_stats,
                                  resolve_device)
 from ..profile import count_macs, count_params, fixed_image_size
-from .common import CliError, check_writable_file, positive_int, refuse_disagreeing_flags, render_table, resolve
+from .common import (CliError, check_writable_file, positive_int, refuse_disagreeing_flags, refuse_exported_file,
+                     render_table, resolve)
 
 NAME = 'eval'
 
@@ -316,6 +317,9 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.json:
         check_writable_file(Path(args.json), '--json')  # before the evaluation, not after it
+    refuse_exported_file(args.checkpoint, '--checkpoint', 'eval builds a model and loads weights into it: give the '
+                         'deployed safetensors file (vitblocks export --format safetensors) or the run checkpoint it '
+                         'was exported from (`vitblocks export ... --check` compares an export with its model)')
     deployed = is_deployed_file(args.checkpoint)
     try:
         overrides = parse_overrides(args.overrides)

@@ -7,13 +7,14 @@ import torch
 from safetensors import SafetensorError
 
 from ..deploy import reparameterize
-from ..deploy.export import (FORMATS, ExportDependencyError, check_export, export_onnx, export_pt2, export_torchscript,
-                             require_packages, traced_batch_size)
+from ..deploy.export import (DYNAMO_MIN_OPSET, FORMATS, ExportCheckError, ExportDependencyError, check_export,
+                             export_onnx, export_pt2, export_torchscript, require_packages, traced_batch_size)
 from ..deploy.io import (DeployedCheckpointError, is_deployed_file, load_deployed, read_deployed_metadata,
                          recorded_preprocessing, recorded_sizes, save_deployed)
 from ..profile import count_params, input_size_of
 from .common import (CliError, add_model_size_args, build_model, check_writable_file, load_trained_model,
-                     model_size_kwargs, parse_block_cfg, positive_int, resolve)
+                     model_size_kwargs, non_negative_float, parse_block_cfg, positive_int, refuse_exported_file,
+                     resolve)
 
 NAME = 'export'
 
@@ -41,6 +42,12 @@ pt2 is torch.export + torch.export.save (load it with torch.export.load(PATH).mo
 `pip install onnx onnxscript` (onnxscript for torch's default exporter, which writes PATH.data beside
 the file when the weights exceed 2 GB; --onnx-exporter legacy uses torch's TorchScript-based one),
 --check of an ONNX file needs onnxruntime. torchscript (torch.jit.trace) is deprecated: use pt2.
+Every pt2/onnx/torchscript export is loaded back before it is put in place and run at another batch
+size (a .pt2/TorchScript module with autograd on and under no_grad; ONNX in onnxruntime where it is
+installed): one that fails or computes other outputs than the model is an error and nothing is
+written. --check prints the measured error. A deployed safetensors file records the model name,
+sizes, block config, timm kwargs of a vitblocks model, any swap_ffn surgery and its output on a
+seeded image, so load_deployed / eval rebuild it by the file alone or refuse it.
 """
 
 # check_export and the loaders tell the formats apart by suffix
@@ -81,7 +88,7 @@ def add_parser(subparsers) -> None:
     p.add_argument('--check', action='store_true',
                    help='run the exported file (torch.export.load / onnxruntime) and print the max abs error vs '
                         'PyTorch; exit 1 when it exceeds --check-tol')
-    p.add_argument('--check-tol', type=float, metavar='TOL',
+    p.add_argument('--check-tol', type=non_negative_float, metavar='TOL',
                    help=f'largest max abs error --check accepts (default {CHECK_TOL:g}: fp32 round-off passes, a '
                         f'wrong fold or a frozen dimension does not)')
     p.set_defaults(run=run)
@@ -137,6 +144,12 @@ def _check_deployed(path: Path, model, size, batch: int) -> float:
 
 
 def _check_args(args) -> None:
+    if not args.out.strip():
+        raise CliError(f'--out is empty; give the file to write, e.g. --out model{SUFFIX.get(args.format, ".pt")}')
+    for flag, path in (('--weights', args.weights), ('--checkpoint', args.checkpoint)):
+        if path:
+            refuse_exported_file(path, flag, 'export from the deployed safetensors file (--weights) or the '
+                                             'trained checkpoint (--checkpoint) it was exported from')
     if args.weights and args.checkpoint:
         raise CliError('--weights (deployed) and --checkpoint (training form) both give the weights; pick one')
     if args.checkpoint and is_deployed_file(args.checkpoint):
@@ -155,6 +168,10 @@ def _check_args(args) -> None:
         raise CliError(f'--format torchscript writes a TorchScript file, not {suffix}; name --out *.pt')
     if args.opset and args.format != 'onnx':
         raise CliError(f'--opset is an ONNX option; drop it for --format {args.format}')
+    if args.opset and args.onnx_exporter == 'dynamo' and args.opset < DYNAMO_MIN_OPSET:
+        raise CliError(f'--opset {args.opset}: torch\'s dynamo exporter writes opset {DYNAMO_MIN_OPSET} and later '
+                       f'(it cannot convert a transformer\'s LayerNormalization down); use --opset '
+                       f'{DYNAMO_MIN_OPSET} or later, or --onnx-exporter legacy for older opsets')
     if args.onnx_exporter != 'dynamo' and args.format != 'onnx':
         raise CliError(f'--onnx-exporter is an ONNX option; drop it for --format {args.format}')
     if args.static_batch and args.format == 'torchscript':
@@ -226,8 +243,13 @@ def run(args) -> int:
                 err = check_export(path, model, input_size=size, batch_size=batch)
         except ExportDependencyError as e:
             raise CliError(str(e)) from None
-        runtime = {'onnx': 'onnxruntime', 'pt2': 'torch.export.load', 'safetensors': 'load_deployed by the file '
-                   'alone'}.get(args.format, 'torch.jit.load')
+        except ExportCheckError as e:
+            print(f'vitblocks export: error: check failed: {e}; the file was written but does not run as it is '
+                  f'meant to', file=sys.stderr)
+            return 1
+        runtime = {'onnx': 'onnxruntime', 'pt2': 'torch.export.load, called with autograd on and under no_grad',
+                   'safetensors': 'load_deployed by the file alone'}.get(
+            args.format, 'torch.jit.load, called with autograd on and under no_grad')
         print(f'check: max abs error {err:.3g} vs PyTorch ({runtime}, batch {batch})')
         tol = CHECK_TOL if args.check_tol is None else args.check_tol
         if not err <= tol:  # NaN fails too

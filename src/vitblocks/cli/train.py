@@ -9,7 +9,8 @@ from ..experiments import (CheckpointError, ConfigError, LostProcess, TrainingDi
 from ..experiments.config import RESUME_CHANGEABLE, RESUME_ON_REQUEST
 from ..experiments.distributed import launched_rank
 from ..experiments.engine import default_run_name, new_run_folder_problem
-from .common import CliError, check_writable_dir, positive_int, refuse_disagreeing_flags
+from ..deploy.io import is_deployed_file
+from .common import CliError, check_writable_dir, positive_int, refuse_disagreeing_flags, refuse_exported_file
 
 NAME = 'train'
 
@@ -134,11 +135,24 @@ def build_config(args):
         raise CliError('--model and --data are required (or --resume RUN)')
     recipe = load_recipe(args.config) if args.config else {}
     cfg = merge(recipe, overrides)
+    if cfg.initial_checkpoint:
+        check_initial_checkpoint(cfg.initial_checkpoint)
     check_writable_dir(Path(cfg.output), '--output')  # before the data is decoded, not after
     problem = new_run_folder_problem(Path(cfg.output) / (cfg.name or default_run_name(cfg)))
     if problem:  # the same check the trainer makes, before the long work
         raise CliError(problem)
     return cfg, None, []
+
+
+def check_initial_checkpoint(path: str) -> None:
+    """Refuse, before the data is read, initial weights that are not a training form: an exported program or a
+    deployed file (its blocks folded: BatchNorms into the weights, RePa into smaller matrices)."""
+    refuse_exported_file(path, '--initial-checkpoint', 'fine-tuning starts from weights of the training form: '
+                         'give a run checkpoint (last.pth/best.pth) or a timm .pth/.safetensors')
+    if is_deployed_file(path):
+        raise CliError(f'--initial-checkpoint {path} is a deployed file (vitblocks.deploy.io.save_deployed): its '
+                       f'blocks are folded for inference and do not fit the training form; fine-tune from the run '
+                       f'checkpoint (last.pth/best.pth) or the training-form weights it was deployed from')
 
 
 def run(args) -> int:

@@ -30,8 +30,16 @@ def reparameterize(model: nn.Module, inplace: bool = False) -> nn.Module:
         inplace: modify ``model`` itself instead of a deep copy (the default leaves it untouched).
 
     Returns:
-        The deployed model (``model`` itself when ``inplace=True``), switched to eval mode,
-        since folded BatchNorms use their running statistics and cannot be trained further.
+        The deployed model (``model`` itself when ``inplace=True``), switched to eval mode: folded
+        BatchNorms are their running statistics, now part of the weights.
+
+    Training a deployed model: as after ``timm.utils.reparameterize_model``, it stays an ordinary
+    module, so ``model.train()`` is allowed and gradients flow. What trains is the *folded*
+    parametrization: plain weights with the folded BatchNorms inside them (those BatchNorms no
+    longer exist, so no batch statistics of theirs are computed or updated), RePa's three merged
+    matrices instead of its idle/active FFN, IFFN's depthwise conv without its BatchNorm. That is
+    fine-tuning the inference form (e.g. for quantization-aware training), not continuing the
+    paper's training: for that, train the training form and deploy it again.
     """
     if not inplace:
         model = copy.deepcopy(model)

@@ -1,12 +1,23 @@
 """Save and load deployed (re-parameterized) weights as safetensors files.
 
 A deployed checkpoint holds the state dict of a model in its inference form (every
-re-parameterizable layer fused) plus a little metadata: the format tag, the model name, the
-sizes it was built with (``num_classes``, ``in_chans`` and, for models that fix it, ``img_size``)
-and, if given, the block config and the preprocessing it was trained with (``input_size``,
-``mean``, ``std``: what ``vitblocks eval`` needs to feed it the images it expects). It loads into a
-model built *directly* in deploy form, so no training-form weights are ever materialized, and by
-the file alone: name and sizes come from it::
+re-parameterizable layer fused) plus the metadata that rebuilds that model by the file alone:
+
+- the format tag and the model name (``architecture``);
+- the sizes it was built with: ``num_classes``, ``in_chans`` and, for models that fix it or were built
+  with ``dynamic_img_size=True``, ``img_size`` (and ``dynamic_img_size``);
+- the block config (``block_cfg``) and the other timm kwargs (``build_kwargs``) a registered vitblocks
+  model was built with (``timm.create_model('iffn_...', block_cfg={'act_layer': 'silu'})`` records
+  them itself; ``save_deployed(block_cfg=...)`` overrides);
+- the surgery a user applied to the model (``surgery``: ``swap_ffn``'d timm models, with the FFN, its
+  config and the slots it replaced; see ``vitblocks.models.recipe``);
+- what the model computed on a seeded image when it was saved (``reference_output``), so that a
+  model rebuilt from the file is checked to compute the same before it is returned;
+- if given, the preprocessing it was trained with (``input_size``, ``mean``, ``std``: what
+  ``vitblocks eval`` needs to feed it the images it expects).
+
+It loads into a model built *directly* in deploy form where the method has one (no training-form
+weights are ever materialized), and by the file alone: name, sizes, config and surgery come from it::
 
     from vitblocks.deploy import reparameterize
     from vitblocks.deploy.io import load_deployed, save_deployed
@@ -16,7 +27,11 @@ the file alone: name and sizes come from it::
     model = load_deployed(None, 'repa_deit_b.safetensors')                  # the name recorded in the file
 
 Files written before the sizes were recorded still load when the sizes are given
-(``load_deployed(name, path, num_classes=10, img_size=32)``).
+(``load_deployed(name, path, num_classes=10, img_size=32)``); files without a reference output are
+loaded unchecked, as before. A model built with something a file cannot hold (a class or a function
+given as a block config value or a surgery argument, ``act_layer=nn.SiLU`` rather than ``'silu'``)
+is saved with the reason (``unrecordable``): it loads into a model you build (``load_deployed(model,
+path)``), never by the file alone.
 
 Writes are atomic (into a hidden folder beside the target, then ``os.replace``), so an
 interrupted save never leaves a truncated checkpoint under the final name. Reading a missing,
@@ -38,12 +53,16 @@ from safetensors.torch import load_model, save_model
 from timm.layers import to_2tuple
 from torch import nn
 
+from ..models.recipe import json_ready, recipe_of, replay_surgery
+from .fingerprint import REFERENCE_KEY, check_reference_output, reference_output
+
 __all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'is_deployed_file', 'recorded_sizes',
            'recorded_preprocessing', 'model_sizes', 'write_safetensors', 'DeployedCheckpointError', 'FORMAT',
            'SIZE_KEYS', 'PREPROCESSING_KEYS']
 
 FORMAT = 'vitblocks.deployed/1'  # metadata['format'] of every file save_deployed writes
-SIZE_KEYS = ('num_classes', 'img_size', 'in_chans')  # timm kwargs a file records (JSON values in its metadata)
+SIZE_KEYS = ('num_classes', 'img_size', 'in_chans', 'dynamic_img_size')  # timm kwargs a file records (JSON values)
+RECIPE_KEYS = ('block_cfg', 'build_kwargs', 'surgery', 'unrecordable')  # how it was built (JSON values)
 PREPROCESSING_KEYS = ('input_size', 'mean', 'std')  # optional: [C, H, W] and per-channel normalization (JSON)
 
 PathLike = Union[str, os.PathLike]
@@ -66,7 +85,8 @@ def _architecture(model: nn.Module) -> str:
 
 def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
                   block_cfg: Optional[Dict[str, Any]] = None,
-                  preprocessing: Optional[Dict[str, Sequence[float]]] = None) -> Path:
+                  preprocessing: Optional[Dict[str, Sequence[float]]] = None,
+                  build_kwargs: Optional[Dict[str, Any]] = None) -> Path:
     """Write ``model``'s deployed weights to ``path`` (safetensors), atomically.
 
     Args:
@@ -77,24 +97,87 @@ def save_deployed(model: nn.Module, path: PathLike, name: Optional[str] = None,
             only once the new one is complete.
         name: the timm / vitblocks model name to record (default: the model's
             ``pretrained_cfg['architecture']``).
-        block_cfg: the block config the model was built with (e.g. ``{'idle_ratio': 0.5}``),
-            recorded so :func:`load_deployed` rebuilds the same structure by default.
+        block_cfg: the block config the model was built with (e.g. ``{'idle_ratio': 0.5}``), recorded so
+            :func:`load_deployed` rebuilds the same structure by default. Default: the one a registered
+            vitblocks model records itself (``timm.create_model(name, block_cfg=...)``).
         preprocessing: the input the model was trained on, any of ``input_size`` ([C, H, W]),
             ``mean`` and ``std`` (C values each), e.g. a run checkpoint's; recorded so
             ``vitblocks eval`` normalizes and resizes as in training (without it eval uses the
             model config's, ImageNet statistics for most timm models).
+        build_kwargs: timm kwargs beyond the sizes that the model was built with (``{'depth': 6}``). A
+            plain timm model does not record them (``timm.create_model`` keeps no record of its kwargs),
+            so give them here for a timm model built other than its defaults; a registered vitblocks
+            model records its own. Sizes (``num_classes``, ``img_size``, ...) are read from the model.
 
     Returns:
         The path written.
+
+    Raises:
+        ValueError: ``block_cfg`` or ``build_kwargs`` that are not JSON (a class or a function), or
+            ``build_kwargs`` that name a size.
     """
     deployed = _reparameterize(model, inplace=False)
-    metadata = {'format': FORMAT, 'architecture': name or _architecture(model),
-                'torch': torch.__version__, 'timm': timm.__version__}
-    metadata.update({k: json.dumps(v) for k, v in model_sizes(deployed).items()})
-    if block_cfg:
-        metadata['block_cfg'] = json.dumps(block_cfg, sort_keys=True)
-    metadata.update({k: json.dumps(v) for k, v in _checked_preprocessing(preprocessing or {}, deployed).items()})
+    architecture = name or _architecture(model)
+    metadata = {'format': FORMAT, 'architecture': architecture, 'torch': torch.__version__, 'timm': timm.__version__}
+    sizes = model_sizes(deployed)
+    metadata.update({k: json.dumps(v) for k, v in sizes.items()})
+    recipe = _recipe_metadata(deployed, architecture, block_cfg)
+    if build_kwargs:
+        recipe['build_kwargs'] = {**recipe.get('build_kwargs', {}), **_checked_build_kwargs(build_kwargs)}
+    metadata.update({k: json.dumps(v, sort_keys=True) for k, v in recipe.items()})
+    checked = _checked_preprocessing(preprocessing or {}, deployed)
+    metadata.update({k: json.dumps(v) for k, v in checked.items()})
+    reference = reference_output(deployed, checked.get('input_size') or _probe_size(deployed, sizes))
+    if reference is not None:
+        metadata[REFERENCE_KEY] = reference
     return write_safetensors(deployed, path, metadata)
+
+
+def _recipe_metadata(model: nn.Module, architecture: str, block_cfg: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The ``RECIPE_KEYS`` entries that rebuild ``model``: block config and kwargs of a registered build (when it is
+    the recorded architecture; ``block_cfg`` given overrides), the user's surgery, and what could not be recorded."""
+    recipe = recipe_of(model)
+    build = recipe.get('build') or {}
+    same = build.get('name', '').split('.')[0] == architecture.split('.')[0] != ''
+    out: Dict[str, Any] = {}
+    cfg = block_cfg if block_cfg is not None else build.get('block_cfg') if same else None
+    if cfg and not json_ready(cfg):  # a class or a function: not a file's; loading by the file refuses
+        if block_cfg is not None:
+            raise ValueError(f'block_cfg {block_cfg}: a file records names and numbers only; give the registry '
+                             f'names (act_layer=\'silu\') or load the file into a model you build')
+        cfg = None  # recipe['unrecordable'] says why
+    if cfg:
+        out['block_cfg'] = cfg
+    kwargs = {k: v for k, v in (build.get('kwargs') or {}).items() if k not in SIZE_KEYS and json_ready(v)} \
+        if same else {}
+    if kwargs:
+        out['build_kwargs'] = kwargs
+    if recipe.get('surgery'):
+        out['surgery'] = recipe['surgery']
+    unrecordable = list(recipe.get('unrecordable') or [])
+    if build and not same:
+        unrecordable.append(f'it was built as {build["name"]}, saved as {architecture}')
+    if unrecordable:
+        out['unrecordable'] = unrecordable
+    return out
+
+
+def _checked_build_kwargs(build_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    sizes = sorted(set(build_kwargs) & set(SIZE_KEYS))
+    if sizes:
+        raise ValueError(f'build_kwargs {sizes}: the sizes are read from the model itself; drop them')
+    bad = sorted(k for k, v in build_kwargs.items() if not json_ready(v))
+    if bad:
+        raise ValueError(f'build_kwargs {bad}: a file records names and numbers only, not {build_kwargs[bad[0]]!r}; '
+                         f'give the registry name (act_layer=\'silu\') or load the file into a model you build')
+    return dict(build_kwargs)
+
+
+def _probe_size(model: nn.Module, sizes: Dict[str, Any]) -> Sequence[int]:
+    """The (C, H, W) of the reference output: the model's input size, or the size a dynamic-size model was built for."""
+    from ..profile import input_size_of  # profile imports deploy users; keep it lazy
+    size = input_size_of(model)
+    return (size[0], *sizes['img_size']) if sizes.get('dynamic_img_size') else size
 
 
 def _checked_preprocessing(preprocessing: Dict[str, Sequence[float]], model: nn.Module) -> Dict[str, list]:
@@ -120,7 +203,8 @@ def _checked_preprocessing(preprocessing: Dict[str, Sequence[float]], model: nn.
 
 def model_sizes(model: nn.Module) -> Dict[str, Any]:
     """The timm kwargs that rebuild ``model``'s shape: classes, input channels, and the image size
-    when its patch embedding fixes one (ViT, Swin, Mixer; PoolFormer takes any size)."""
+    when its patch embedding fixes one (ViT, Swin, Mixer; PoolFormer takes any size) or a ViT built with
+    ``dynamic_img_size=True`` was built for (its position embedding's grid; ``dynamic_img_size`` too)."""
     from ..profile import fixed_image_size, input_size_of  # profile imports deploy users; keep it lazy
     sizes: Dict[str, Any] = {'in_chans': input_size_of(model)[0]}
     if isinstance(getattr(model, 'num_classes', None), int):
@@ -128,6 +212,11 @@ def model_sizes(model: nn.Module) -> Dict[str, Any]:
     img_size = fixed_image_size(model)
     if img_size is not None:
         sizes['img_size'] = list(img_size)
+    elif getattr(model, 'dynamic_img_size', False) is True:  # built for one size (its position embedding), runs any
+        embed = getattr(model, 'patch_embed', None)
+        if getattr(embed, 'img_size', None) is not None:
+            sizes['img_size'] = [int(s) for s in embed.img_size]
+            sizes['dynamic_img_size'] = True
     return sizes
 
 
@@ -212,7 +301,7 @@ def read_deployed_metadata(path: PathLike) -> Dict[str, str]:
         raise DeployedCheckpointError(
             f'{path} is a safetensors file but not a vitblocks deployed checkpoint ({found}; expected {FORMAT!r}). '
             f'For plain weights use safetensors.torch.load_file and model.load_state_dict')
-    for key in (*SIZE_KEYS, *PREPROCESSING_KEYS, 'block_cfg'):  # JSON values: read here, where the path is known
+    for key in (*SIZE_KEYS, *PREPROCESSING_KEYS, *RECIPE_KEYS, REFERENCE_KEY):  # JSON, checked where the path is known
         if key in metadata:
             try:
                 json.loads(metadata[key])
@@ -236,16 +325,23 @@ def is_deployed_file(path: PathLike) -> bool:
     return True
 
 
-def _build_deployed(name: str, block_cfg: Optional[Dict[str, Any]], **kwargs) -> nn.Module:
+def _build_deployed(name: str, block_cfg: Optional[Dict[str, Any]], surgery: Sequence[Dict[str, Any]] = (),
+                    **kwargs) -> nn.Module:
     """``name`` in deploy form: a vitblocks model built directly with ``block_cfg['deploy'] = True``
     (no training-form weights); a timm model, or a vitblocks method without a deploy option (built with
-    ``block_cfg``), built and re-parameterized."""
+    ``block_cfg``), built and re-parameterized. Recorded ``surgery`` is replayed on the training form, which is
+    then re-parameterized."""
     from ..models import list_models, resolve_model_name
     try:
         name = resolve_model_name(name)
     except ValueError as e:
         raise DeployedCheckpointError(str(e)) from None
     try:
+        if surgery:
+            if block_cfg and name not in list_models():
+                raise DeployedCheckpointError(f'block_cfg applies to vitblocks models only; {name} is a timm model')
+            model = timm.create_model(name, **({'block_cfg': block_cfg} if block_cfg else {}), **kwargs)
+            return _reparameterize(replay_surgery(model, list(surgery)), inplace=True)
         if name in list_models():
             try:
                 return timm.create_model(name, block_cfg={**(block_cfg or {}), 'deploy': True}, **kwargs).eval()
@@ -258,11 +354,12 @@ def _build_deployed(name: str, block_cfg: Optional[Dict[str, Any]], **kwargs) ->
         if block_cfg:
             raise DeployedCheckpointError(f'block_cfg applies to vitblocks models only; {name} is a timm model')
         return _reparameterize(timm.create_model(name, **kwargs), inplace=True)
-    except (TypeError, ValueError) as e:  # e.g. a recorded size or a block config the builder does not take
+    except (TypeError, ValueError, KeyError) as e:  # e.g. a recorded size or a block config the builder does not take
         if isinstance(e, DeployedCheckpointError):
             raise
-        raise DeployedCheckpointError(f'cannot build {name} with {kwargs or "its defaults"} and block config '
-                                      f'{block_cfg or {}}: {type(e).__name__}: {e}') from None
+        with_surgery = f' and surgery {[s.get("surgery") for s in surgery]}' if surgery else ''
+        raise DeployedCheckpointError(f'cannot build {name} with {kwargs or "its defaults"}, block config '
+                                      f'{block_cfg or {}}{with_surgery}: {type(e).__name__}: {e}') from None
 
 
 def _as_size(key: str, value: Any) -> Any:
@@ -272,7 +369,7 @@ def _as_size(key: str, value: Any) -> Any:
 
 def load_deployed(name_or_model: Union[str, nn.Module, None], path: PathLike,
                   block_cfg: Optional[Dict[str, Any]] = None, device: Union[str, torch.device] = 'cpu',
-                  **kwargs) -> nn.Module:
+                  verify: bool = True, **kwargs) -> nn.Module:
     """Build a model in deploy form and load a deployed checkpoint into it (strict).
 
     Args:
@@ -283,12 +380,22 @@ def load_deployed(name_or_model: Union[str, nn.Module, None], path: PathLike,
         path: a file written by :func:`save_deployed`.
         block_cfg: block config of the model (default: the one recorded in the file, if any).
         device: where the weights are loaded.
-        **kwargs: timm kwargs for building by name. ``num_classes``, ``img_size`` and ``in_chans``
-            default to the file's; giving another value than the file records is an error. Files
+        verify: run the loaded model on the seeded image the file records its output for, and refuse
+            a model that computes something else (``DeployedCheckpointError``: it was built otherwise
+            than the file was saved from). Files without a reference output are not checked.
+        **kwargs: timm kwargs for building by name. ``num_classes``, ``img_size``, ``in_chans`` and
+            ``dynamic_img_size`` default to the file's, other kwargs to the ones the file records
+            (``build_kwargs``); giving another size than the file records is an error. Files
             written before the sizes were recorded need them here if they are not the defaults.
+            The surgery the file records (a ``swap_ffn``'d timm model) is replayed.
 
     Returns:
         The model with the checkpoint's weights, in eval mode.
+
+    Raises:
+        DeployedCheckpointError: the file is missing, damaged or not a deployed checkpoint; it does not fit
+            the model; it records a model it cannot rebuild (``unrecordable``: load it into a model you build);
+            or the loaded model does not compute the file's reference output.
     """
     path = Path(path)
     metadata = read_deployed_metadata(path)
@@ -307,8 +414,14 @@ def load_deployed(name_or_model: Union[str, nn.Module, None], path: PathLike,
             if _as_size(key, given) != _as_size(key, value):
                 raise DeployedCheckpointError(f'{path} was saved with {key}={value}, not {given}; drop {key} (the '
                                               f'file sets it)')
+        unrecordable = json.loads(metadata.get('unrecordable', '[]'))
+        if unrecordable:
+            raise DeployedCheckpointError(f'{path} cannot be rebuilt by the file alone: {"; ".join(unrecordable)}. '
+                                          f'Build the model as it was built and pass it: load_deployed(model, path)')
         cfg = block_cfg if block_cfg is not None else json.loads(metadata.get('block_cfg', '{}'))
-        model = _build_deployed(name_or_model, cfg, **{**kwargs, **recorded})
+        build_kwargs = json.loads(metadata.get('build_kwargs', '{}'))
+        surgery = json.loads(metadata.get('surgery', '[]'))
+        model = _build_deployed(name_or_model, cfg, surgery, **{**build_kwargs, **kwargs, **recorded})
         what = name_or_model
     else:
         model = _reparameterize(name_or_model, inplace=True)
@@ -324,9 +437,20 @@ def load_deployed(name_or_model: Union[str, nn.Module, None], path: PathLike,
                                       f're-save it with vitblocks.deploy.io.save_deployed') from None
     except RuntimeError as e:  # missing / unexpected keys or shape mismatch
         detail = ' '.join(str(e).split())
-        hint = ('Was it saved from another model or block config (idle_ratio?)' if recorded else
+        hint = ('Was it saved from another model or block config (idle_ratio?), or from a timm model built with '
+                'kwargs it does not record (depth=...: save it with build_kwargs=, or pass them here)' if recorded else
                 'It records no sizes (written before vitblocks recorded them): pass the num_classes / img_size / '
                 'in_chans it was built with; or was it saved from another model or block config (idle_ratio?)')
         raise DeployedCheckpointError(
             f'{path} ({saved or "unknown model"}) does not fit {what} in deploy form: {detail[:500]}. {hint}') from None
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if verify and REFERENCE_KEY in metadata:
+        differs = check_reference_output(model, metadata[REFERENCE_KEY])
+        if differs:
+            raise DeployedCheckpointError(
+                f'{path} loads into {what} but it does not compute what the saved model computed (max abs error '
+                f'{differs["max_abs_error"]:.3g} on outputs up to {differs["largest_output"]:.3g}, tolerance '
+                f'{differs["tolerance"]:.3g}): the model was built otherwise (a block config, an option, a surgery '
+                f'or a module not recorded in the file, or block_cfg/kwargs given here); build it as it was built '
+                f'and pass it, load_deployed(model, path)')
+    return model

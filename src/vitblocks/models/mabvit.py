@@ -48,6 +48,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from ..layers.value_attention import ParallelBlock, ValueActivationAttention
+from .recipe import recorded_surgery
 from .registry import VariantSpec, register_variant
 from .slots import find_slots, slot_spec, supported_families
 
@@ -67,6 +68,7 @@ def _norm_like(norm: nn.Module) -> Callable[..., nn.Module]:
     return lambda n, **dd: type(norm)(n, eps=norm.eps, **dd)
 
 
+@recorded_surgery(candidates=lambda model: list(range(len(find_slots(model, 'attention')))))
 def swap_value_attention(model: nn.Module, value_act: Optional[str] = 'swiglu',
                          include: Optional[Callable[[int], bool]] = None) -> int:
     """Replace ``blocks[i].attn`` of a timm ViT with :class:`ValueActivationAttention` (fresh weights).
@@ -110,6 +112,7 @@ def swap_value_attention(model: nn.Module, value_act: Optional[str] = 'swiglu',
     return count
 
 
+@recorded_surgery()
 def make_parallel(model: nn.Module) -> int:
     """Turn every timm ``Block`` of a ViT into a :class:`ParallelBlock` in place (same weights);
     returns the number of blocks. Only ``forward`` changes: ``x + attn(LN x) + mlp(LN x)``."""
@@ -147,6 +150,7 @@ class PreLogitsVisionTransformer(VisionTransformer):
         return take_indices
 
 
+@recorded_surgery()
 def add_pre_logits(model: nn.Module) -> nn.Module:
     """Give a timm ViT big_vision's pre-logits layer (``rep_size=True``: Dense(D) + tanh), in place.
 

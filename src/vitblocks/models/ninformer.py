@@ -52,6 +52,7 @@ from timm.models.vision_transformer import VisionTransformer, init_weights_vit_t
 from torch import nn
 
 from ..layers.gating import MixerGatingUnit, check_mlp_widths
+from .recipe import recorded_surgery
 from .registry import VariantSpec, register_variant
 from .slots import find_slots, slot_spec, supported_families
 from .surgery import swap_ffn
@@ -64,6 +65,7 @@ NINFORMER_PAPER_SETTINGS = dict(patch_size=4, embed_dim=256, depth=4, num_heads=
                                 token_mlp_dim=512, channel_mlp_dim=512)
 
 
+@recorded_surgery()
 def swap_gating_unit(model: nn.Module, token_mlp_dim: int = 512, channel_mlp_dim: int = 512,
                      shared_norm: bool = True, drop: float = 0.) -> int:
     """Turn every block of a timm ViT into a NiNformer block (Eq. 8-10), in place.

@@ -16,6 +16,7 @@ from torch import nn
 
 from .features import FEATURE_KWARGS, features_only
 from .layer_groups import expose_group_matcher
+from .recipe import record_build, registered_build
 
 __all__ = ['register_variant', 'list_models', 'get_variant', 'VariantSpec', 'resolve_model_name']
 
@@ -62,8 +63,11 @@ def _entrypoint(spec: VariantSpec):
         base_kwargs = dict(spec.base_kwargs)
         if cfg.get('fixed_input_size') and 'img_size' in base_kwargs:  # a variant built at its own size
             base_kwargs['img_size'] = tuple(cfg['input_size'][-2:])  # = the registered one, unless overlaid
+        given = dict(kwargs)  # what rebuilds this model by name (vitblocks.models.recipe)
         model = timm.create_model(spec.base, pretrained=False, pretrained_cfg=cfg, **{**base_kwargs, **kwargs})
-        spec.build(model, {**spec.cfg, **(block_cfg or {})})
+        with registered_build():  # the swaps are the name's, not a user's surgery
+            spec.build(model, {**spec.cfg, **(block_cfg or {})})
+        record_build(model, spec.name, block_cfg, given)
         expose_group_matcher(model)  # timm's layer-wise LR decay needs one; timm's MetaFormer has none
         model.pretrained_cfg = model.default_cfg = cfg
         if feature_kwargs.pop('features_only', False):

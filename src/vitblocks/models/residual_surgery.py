@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from .recipe import recorded_surgery
 from .residual_blocks import (ResidualFFNMetaFormerBlock, ResidualFFNMixerBlock, ResidualFFNSwinBlock,
                               ResidualFFNViTBlock)
 from .slots import ResidualRecipe, find_slots, residual_recipe, supported_families
@@ -95,6 +96,7 @@ def find_residual_slots(model: nn.Module) -> List[Tuple[str, nn.Module, Residual
     return slots
 
 
+@recorded_surgery(candidates=lambda model: [slot[0] for slot in find_residual_slots(model)])
 def swap_residual_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
                       include: Optional[Callable[[str], bool]] = None, **cfg) -> int:
     """Replace the FFN half of every supported timm block with the residual unit ``name``.

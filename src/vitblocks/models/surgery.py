@@ -32,6 +32,7 @@ from torch import nn
 
 from ..layers import FFN_INHERITS, activation_name, create_ffn
 from . import timm_slots  # noqa: F401  (declares the timm families' slots)
+from .recipe import recorded_surgery
 from .slots import Slot, find_slots, supported_families
 from .weight_decay import expose_no_weight_decay
 
@@ -119,6 +120,7 @@ def _inherited(name: str, old: nn.Module, cfg: dict) -> dict:
     return knobs
 
 
+@recorded_surgery(candidates=lambda model: [slot[2] for slot in find_ffn_slots(model)])
 def swap_ffn(model: nn.Module, name: str, *, mlp_ratio: Optional[float] = None,
              include: Optional[Callable[[str], bool]] = None, **cfg) -> int:
     """Replace the channel MLPs of a timm model with the FFN registered as ``name``.
