@@ -1,7 +1,7 @@
 """Pieces every kernel shares: activations by registry name, launch dtypes, the depthwise tap loop, and the
 choice of a launch configuration among a kernel's candidates (:class:`LaunchTuner`)."""
 import os
-from typing import Callable, Dict, Hashable, List, Sequence
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
 import torch
 import triton
@@ -118,19 +118,23 @@ class LaunchTuner:
         self.chosen: Dict[Hashable, dict] = {}
         LaunchTuner.instances[name] = self
 
-    def launch(self, key: Hashable, run: Callable[[dict], None]) -> None:
-        """``run(config)`` with the configuration chosen for ``key``."""
+    def launch(self, key: Hashable, run: Callable[[dict], None], fits: Optional[Callable[[dict], bool]] = None) -> None:
+        """``run(config)`` with the configuration chosen for ``key`` among the candidates that ``fits`` accepts
+        (all by default; e.g. fewer outputs per thread for a larger depthwise kernel)."""
+        candidates = [c for c in self.candidates if fits is None or fits(c)]
+        if not candidates:
+            raise ValueError(f'{self.name}: no candidate launch configuration fits {key!r}')
         if LaunchTuner.recording_all:
-            for config in self.candidates:
+            for config in candidates:
                 run(config)
             return
-        if interpreting() or os.environ.get('VITBLOCKS_KERNEL_TUNING', '1') == '0' or len(self.candidates) == 1:
-            run(self.candidates[0])
+        if interpreting() or os.environ.get('VITBLOCKS_KERNEL_TUNING', '1') == '0' or len(candidates) == 1:
+            run(candidates[0])
             return
         if key not in self.chosen:
             from triton.testing import do_bench
-            times = [do_bench(lambda c=c: run(c), warmup=5, rep=20) for c in self.candidates]
-            self.chosen[key] = self.candidates[times.index(min(times))]
+            times = [do_bench(lambda c=c: run(c), warmup=5, rep=20) for c in candidates]
+            self.chosen[key] = candidates[times.index(min(times))]
         run(self.chosen[key])
 
     @classmethod
@@ -138,3 +142,8 @@ class LaunchTuner:
         """Every choice made so far in this process: kernel, key, the winning configuration and its index."""
         return [dict(kernel=t.name, key=repr(k), config=c, candidate=t.candidates.index(c))
                 for t in cls.instances.values() for k, c in t.chosen.items()]
+
+
+def outputs_per_thread(config: dict, rows: str = 'W_BLOCK', cols: str = 'C_BLOCK') -> int:
+    """Elements of a ``(rows, cols)`` tile each of the ``num_warps x 32`` threads computes."""
+    return config[rows] * config[cols] // (32 * config['num_warps'])

@@ -23,23 +23,31 @@ import triton
 import triton.language as tl
 
 from ._common import (LaunchTuner, act_id, activate, depthwise_conv_tile, dot_dtype, dot_precision, next_pow2,
-                      upcast_operands)
+                      outputs_per_thread, upcast_operands)
 
 __all__ = ['window_spec', 'window_maps', 'dwconv_pair_product', 'GEMM_TUNER', 'PAIR_TUNER']
 
-# (pixels of a row segment, channels, warps) per program; two branches' accumulators live at once, so the
-# tiles are half of dwconv_act_residual's (the first runs where nothing was timed)
+# (pixels of a row segment, channels, warps) per program; two branches' accumulators live at once, so 2-4
+# outputs per thread (W_BLOCK=4 x 128 channels spilled 8 bytes at k = 7 on sm_90); the first runs where
+# nothing was timed
 PAIR_TUNER = LaunchTuner('dwconv_pair_product', [
     dict(W_BLOCK=8, C_BLOCK=32, num_warps=4), dict(W_BLOCK=8, C_BLOCK=64, num_warps=4),
-    dict(W_BLOCK=16, C_BLOCK=64, num_warps=8), dict(W_BLOCK=4, C_BLOCK=128, num_warps=4)])
+    dict(W_BLOCK=16, C_BLOCK=64, num_warps=8), dict(W_BLOCK=16, C_BLOCK=32, num_warps=4)])
 
-# (tokens, output channels, reduction step) per program, warps and software-pipeline stages; the first runs
-# where nothing was timed
+# (tokens, output channels, reduction step) per program, warps and software-pipeline stages; strict fp32 has
+# no tensor cores (FMA, the accumulator and operands in registers) and takes the small tiles only (_gemm_fits);
+# the first fitting one runs where nothing was timed
 GEMM_TUNER = LaunchTuner('window_maps', [
     dict(T_BLOCK=64, N_BLOCK=64, K_BLOCK=32, num_warps=4, num_stages=3),
     dict(T_BLOCK=128, N_BLOCK=64, K_BLOCK=32, num_warps=4, num_stages=3),
     dict(T_BLOCK=64, N_BLOCK=128, K_BLOCK=32, num_warps=8, num_stages=3),
-    dict(T_BLOCK=128, N_BLOCK=128, K_BLOCK=32, num_warps=8, num_stages=2)])
+    dict(T_BLOCK=32, N_BLOCK=64, K_BLOCK=32, num_warps=4, num_stages=3),
+    dict(T_BLOCK=32, N_BLOCK=32, K_BLOCK=32, num_warps=4, num_stages=3)])
+
+
+def _gemm_fits(fma: bool):
+    """Strict fp32: at most 16 accumulators per thread (64 x 64 on 4 warps spilled on sm_80)."""
+    return lambda config: not fma or outputs_per_thread(config, 'T_BLOCK', 'N_BLOCK') <= 16
 
 # combine(): where the activation goes, as AFBO's act_position / act_branch
 COMBINE_IDS = {('pre', 'left'): 0, ('pre', 'right'): 1, ('pre', 'both'): 2, ('post', 'left'): 3,
@@ -143,7 +151,9 @@ def window_maps(x: torch.Tensor, left_map, right_map, dtype: Optional[torch.dtyp
             HAS_BIAS=has_bias, T_BLOCK=t_block, N_BLOCK=n_block, K_BLOCK=config['K_BLOCK'], DOT=dot, UPCAST=upcast,
             PRECISION=precision, num_warps=config['num_warps'], num_stages=config['num_stages'])
 
-    GEMM_TUNER.launch((tokens, d, md, tuple(wl.shape), tuple(wr.shape), x.stride(), dtype, precision), run)
+    fma = dtype == torch.float32 and precision == 'ieee'  # no tensor cores
+    GEMM_TUNER.launch((tokens, d, md, tuple(wl.shape), tuple(wr.shape), x.stride(), dtype, precision), run,
+                      _gemm_fits(fma))
     return out[0], out[1]
 
 
