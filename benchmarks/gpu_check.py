@@ -211,6 +211,7 @@ def step_ffn(args) -> dict:
         compiled = torch.compile(deployed, backend='eager' if args.tiny else 'inductor')
         fns = {'training form (reference ops)': lambda: layer(x), 'torch.compile (deployed)': lambda: compiled(x),
                'fused kernels (deployed)': lambda: deployed._forward_fused(x), 'vanilla Mlp': lambda: mlp(x)}
+        roofline = ffn_model(name, 128)  # the traffic model at the real shapes, batch 128
         for setting, mode, amp in SETTINGS[::2]:  # tf32 and bf16
             autocast = torch.autocast(x.device.type, dtype=torch.bfloat16) if amp else nullcontext()
             # torch.compile in the fp32 setting only: each compilation costs tens of seconds of the check's minutes
@@ -218,7 +219,7 @@ def step_ffn(args) -> dict:
             with fp32_precision(mode) as precision, autocast:
                 ms = time_calls(timed, args.device, max(args.warmup, 1), args.repeats)
             ms = {k: ms.get(k) for k in fns}  # every column in one order; None: not timed
-            model = ffn_model(name, 128)[setting]  # the roofline at the real shapes, batch 128
+            model = roofline[setting]
             rows.append(dict(model=name, layer=qualname, input_shape=list(x.shape), setting=setting,
                              precision=precision, ms=ms,
                              fused_vs_mlp=ms['vanilla Mlp'] / ms['fused kernels (deployed)'],
