@@ -86,7 +86,7 @@ def test_every_configuration_the_layers_choose_compiles_without_spills_or_warnin
 @NEEDS_PTXAS
 def test_the_check_fails_a_tile_that_spills():
     """The depthwise kernel at k = 7 with 128 outputs per thread (64 pixels x 256 channels, 4 warps) must be
-    caught: far over 128 registers, with spills."""
+    caught: it spills."""
     code = '''
 import json, torch
 from vitblocks.kernels import iffn
@@ -101,4 +101,5 @@ print(json.dumps(compile_launch(launches[0], 90).as_dict()))
     run = _compiled_python(code)
     assert run.returncode == 0, run.stderr[-3000:]
     stats = json.loads(run.stdout.strip().splitlines()[-1])
-    assert stats['registers'] > 128 and stats['problems'], stats
+    assert stats['spill_bytes'] > 1000, stats  # ptxas gives up on registers: 32 of them and 40 KB of spills on sm_90
+    assert any('bytes of spills' in p for p in stats['problems'])
