@@ -152,7 +152,7 @@ def window_maps(x: torch.Tensor, left_map, right_map, dtype: Optional[torch.dtyp
             PRECISION=precision, num_warps=config['num_warps'], num_stages=config['num_stages'])
 
     fma = dtype == torch.float32 and precision == 'ieee'  # no tensor cores
-    GEMM_TUNER.launch((tokens, d, md, tuple(wl.shape), tuple(wr.shape), x.stride(), dtype, precision), run,
+    GEMM_TUNER.launch((batch, tokens, d, md, tuple(wl.shape), tuple(wr.shape), x.stride(), dtype, precision), run,
                       _gemm_fits(fma))
     return out[0], out[1]
 
@@ -227,7 +227,7 @@ def dwconv_pair_product(left: torch.Tensor, right: torch.Tensor, convs, grid: Op
                 o_part.stride(0), o_part.stride(1), K=k, ACT=act_code, COMBINE=combine, HAS_CONV=has_conv,
                 W_BLOCK=w_block, C_BLOCK=c_block, num_warps=config['num_warps'])
 
-        PAIR_TUNER.launch((gh, gw, channels, k, has_conv, left.dtype), run)
+        PAIR_TUNER.launch((batch, gh, gw, channels, k, has_conv, left.dtype), run)
 
     if convs is None:  # no spatial op: every token of the image as one row
         launch(left, right, out, 1, tokens, False)

@@ -140,5 +140,5 @@ def dwconv_act_residual(y: torch.Tensor, weight: torch.Tensor, bias: Optional[to
             patches_out.stride(0), patches_out.stride(1), K=k, ACT=act_code, W_BLOCK=w_block, C_BLOCK=c_block,
             num_warps=config['num_warps'])
 
-    DWCONV_TUNER.launch((gh, gw, channels, k, y.dtype), run, _dwconv_fits(k))
+    DWCONV_TUNER.launch((batch, gh, gw, channels, k, y.dtype), run, _dwconv_fits(k))
     return out
