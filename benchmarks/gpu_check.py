@@ -284,6 +284,8 @@ def step_summary(out: Path) -> str:
                   '| kernel | shape key | configuration | candidate |', '| --- | --- | --- | ---: |']
         for c in ffn.get('launch_configs', []):
             lines.append(f"| {c['kernel']} | `{c['key']}` | {c['config']} | {c['candidate']} |")
+        if not ffn.get('launch_configs'):
+            lines.append('| (none timed: the interpreter runs each kernel\'s first candidate) | | | |')
         lines += ['', '## Traffic model of one FFN', '',
                   model_table(sorted({r['model'] for r in rows}, key=FFN_CASES.index), 128, TARGETS), '']
     if (out / 'kernels.txt').exists():
