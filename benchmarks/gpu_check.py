@@ -15,9 +15,12 @@ Steps, each written into ``--out`` as soon as it finishes (atomically), most tel
    PoolFormer-S12/S24 and DeiT-T; RePa against DeiT-B.
 4. ``ffn.json``: one FFN at batch 128 (the first of each model, on the input it receives there):
    the training form (reference ops), ``torch.compile`` of the deployed form (inductor fuses the
-   reference ops), the deployed form's fused kernels, and the vanilla model's ``Mlp``.
+   reference ops), the deployed form's fused kernels, and the vanilla model's ``Mlp``; beside them the
+   traffic model's roofline ratio (:mod:`vitblocks.kernels.traffic`), and the launch configuration each
+   kernel chose per shape (the fastest of its candidates, timed on its first call).
 5. ``profile.txt``: the CUDA kernels of one batch of deployed IFFN-S and AFBO-PoolFormer-S12.
-6. ``summary.md``: the tables, with the targets and the papers' own ratios beside ours.
+6. ``summary.md``: the tables, with the targets and the papers' own ratios beside ours, the model's
+   ratio beside the measured one, and the model's table with its assumptions.
 
 A step whose file exists is skipped, so a job stopped by its wall-clock limit (``--time-limit``:
 no step starts after it) resumes where it stopped when the command is run again; ``--redo`` runs
@@ -41,6 +44,7 @@ from torch import nn
 
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.deploy import reparameterize
+from vitblocks.kernels.traffic import ffn_model, model_table
 from vitblocks.layers import AFBO, IFFN
 from vitblocks.profile import benchmark_models, step_timer
 from vitblocks.profile.precision import fp32_precision, precision_settings
@@ -207,6 +211,7 @@ def step_ffn(args) -> dict:
         compiled = torch.compile(deployed, backend='eager' if args.tiny else 'inductor')
         fns = {'training form (reference ops)': lambda: layer(x), 'torch.compile (deployed)': lambda: compiled(x),
                'fused kernels (deployed)': lambda: deployed._forward_fused(x), 'vanilla Mlp': lambda: mlp(x)}
+        roofline = ffn_model(name, 128)  # the traffic model at the real shapes, batch 128
         for setting, mode, amp in SETTINGS[::2]:  # tf32 and bf16
             autocast = torch.autocast(x.device.type, dtype=torch.bfloat16) if amp else nullcontext()
             # torch.compile in the fp32 setting only: each compilation costs tens of seconds of the check's minutes
@@ -214,11 +219,14 @@ def step_ffn(args) -> dict:
             with fp32_precision(mode) as precision, autocast:
                 ms = time_calls(timed, args.device, max(args.warmup, 1), args.repeats)
             ms = {k: ms.get(k) for k in fns}  # every column in one order; None: not timed
+            model = roofline[setting]
             rows.append(dict(model=name, layer=qualname, input_shape=list(x.shape), setting=setting,
                              precision=precision, ms=ms,
-                             fused_vs_mlp=ms['vanilla Mlp'] / ms['fused kernels (deployed)']))
+                             fused_vs_mlp=ms['vanilla Mlp'] / ms['fused kernels (deployed)'],
+                             model_fused_vs_mlp=model['ratio'], model_ms=model['ms']))
         torch._dynamo.reset()
-    return {'rows': rows}
+    from vitblocks.kernels._common import LaunchTuner  # needs Triton, which the fused kernels need anyway
+    return {'rows': rows, 'launch_configs': LaunchTuner.table()}
 
 
 def step_profile(args) -> str:
@@ -261,13 +269,25 @@ def step_summary(out: Path) -> str:
                          f"{f'>= {target:.2f}x' if target else '-'} | {PAPER.get(name, '-')} |")
         lines.append('')
     if (out / 'ffn.json').exists():
-        rows = json.loads((out / 'ffn.json').read_text())['rows']
-        lines += ['## One FFN: ms per call', '', '| model (layer) | setting | ' + ' | '.join(rows[0]['ms']) + ' |',
-                  '| --- | --- |' + ' ---: |' * len(rows[0]['ms'])]
+        ffn = json.loads((out / 'ffn.json').read_text())
+        rows = ffn['rows']
+        lines += ['## One FFN: ms per call, and fused vs Mlp: measured beside the model', '',
+                  '| model (layer) | setting | ' + ' | '.join(rows[0]['ms'])
+                  + ' | fused vs Mlp, measured | model (roofline, batch 128): H100 / H200 |',
+                  '| --- | --- |' + ' ---: |' * (len(rows[0]['ms']) + 2)]
         for r in rows:
+            model = r['model_fused_vs_mlp']
             lines.append(f"| {r['model']} ({r['layer']}) | {r['setting']} | "
-                         + ' | '.join('-' if v is None else f'{v:.3f}' for v in r['ms'].values()) + ' |')
-        lines.append('')
+                         + ' | '.join('-' if v is None else f'{v:.3f}' for v in r['ms'].values())
+                         + f" | {r['fused_vs_mlp']:.2f}x | {model['H100']:.2f}x / {model['H200']:.2f}x |")
+        lines += ['', '## Launch configurations chosen (fastest candidate per shape)', '',
+                  '| kernel | shape key | configuration | candidate |', '| --- | --- | --- | ---: |']
+        for c in ffn.get('launch_configs', []):
+            lines.append(f"| {c['kernel']} | `{c['key']}` | {c['config']} | {c['candidate']} |")
+        if not ffn.get('launch_configs'):
+            lines.append('| (none timed: the interpreter runs each kernel\'s first candidate) | | | |')
+        lines += ['', '## Traffic model of one FFN', '',
+                  model_table(sorted({r['model'] for r in rows}, key=FFN_CASES.index), 128, TARGETS), '']
     if (out / 'kernels.txt').exists():
         tail = (out / 'kernels.txt').read_text().strip().splitlines()
         lines += ['## Kernel tests', '', f'`{tail[0]}`: {tail[1]}; {tail[-1]}', '']

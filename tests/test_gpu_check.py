@@ -34,14 +34,19 @@ def _check_files(out: Path, models):
     assert all(not r['precision']['matmul_tf32'] and not r['precision']['cudnn_tf32'] for r in strict)
     assert all(r['precision']['matmul_tf32'] and r['precision']['cudnn_tf32'] for r in rows if r['setting'] == 'tf32')
     assert all(r['throughput_vs_baseline'] == 1.0 for r in rows if r['model'] == r['baseline'])
-    ffn = json.loads((out / 'ffn.json').read_text())['rows']
+    ffn_file = json.loads((out / 'ffn.json').read_text())
+    ffn = ffn_file['rows']
     assert {r['model'] for r in ffn} == set(models)
+    assert isinstance(ffn_file['launch_configs'], list)  # the interpreter times nothing: the first candidates ran
+    assert all(r['model_fused_vs_mlp']['H100'] > 0 and r['model_fused_vs_mlp']['H200'] > 0 for r in ffn)
     assert all(set(r['ms']) == {'training form (reference ops)', 'torch.compile (deployed)',
                                 'fused kernels (deployed)', 'vanilla Mlp'} for r in ffn)
     assert all((r['ms']['torch.compile (deployed)'] is None) == (r['setting'] == 'bf16') for r in ffn)
     summary = (out / 'summary.md').read_text()
     assert all(f'| {name} |' in summary for name in models)
     assert '>= 0.88x | 0.88 (AFBO Table 2)' in summary  # the target and the paper's ratio beside ours
+    assert 'fused vs Mlp, measured | model (roofline, batch 128): H100 / H200 |' in summary  # side by side
+    assert 'not a measurement' in summary and 'Assumptions:' in summary
 
 
 def test_rehearsal_writes_every_file_and_resumes(tmp_path):

@@ -16,6 +16,12 @@ Triton ships with torch's CUDA wheels. Without it (or on another device) the dep
 their reference ops. On a machine without a GPU every kernel runs through Triton's interpreter when
 ``TRITON_INTERPRET=1`` is set before this package is first imported (the tests do this): slowly, in
 fp32 arithmetic, but the same program.
+
+Each kernel has a few candidate launch configurations; on a GPU the fastest for a shape is chosen on
+its first call (:class:`~vitblocks.kernels._common.LaunchTuner`). Without a GPU, the compiler's view of
+every configuration the deployed layers launch (registers, spills, occupancy, for sm_80 and sm_90) is
+``python -m vitblocks.kernels.report`` (:mod:`.launches`, :mod:`.compile_check`), and
+:mod:`.traffic` models an FFN's bytes, FLOPs and roofline time against timm's ``Mlp``.
 """
 import functools
 import importlib.util

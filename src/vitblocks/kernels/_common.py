@@ -1,4 +1,8 @@
-"""Pieces every kernel shares: activations by registry name, launch dtypes."""
+"""Pieces every kernel shares: activations by registry name, launch dtypes, the depthwise tap loop, and the
+choice of a launch configuration among a kernel's candidates (:class:`LaunchTuner`)."""
+import os
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -36,16 +40,22 @@ def activate(x, ACT: tl.constexpr):
 def depthwise_conv_tile(img_ptr, w_ptr, b_ptr, h, x, c, cmask, H, W, stride_t, K: tl.constexpr,
                         W_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     """``DWConv_k + b`` (zero padding) at pixels ``(h, x)`` (a row segment, ``x``: (W, 1)) and channels ``c`` ((1, C))
-    of one image whose pixels are ``stride_t`` apart with contiguous channels; weight ``(C, 1, k, k)``. fp32."""
+    of one image whose pixels are ``stride_t`` apart with contiguous channels; weight ``(C, 1, k, k)``. fp32.
+
+    The rows of the window are a loop, not unrolled: only one row's k loads are live at a time, so the
+    registers do not grow with k x k (k = 7 unrolled held 49 tiles and spilled); the k loads of a row
+    are independent, which is the parallelism a memory-bound tap loop needs."""
     acc = tl.zeros((W_BLOCK, C_BLOCK), tl.float32)
-    for dy in tl.static_range(K):
+    w_taps = w_ptr + c * (K * K)  # (1, C): this channel's k x k taps
+    for dy in range(K):
         row = h + dy - K // 2
+        row_ptr = img_ptr + row * W * stride_t
+        row_ok = (row >= 0) & (row < H)
         for dx in tl.static_range(K):
             col = x + dx - K // 2
-            m = (row >= 0) & (row < H) & (col >= 0) & (col < W) & cmask  # zero padding
-            v = tl.load(img_ptr + (row * W + col) * stride_t + c, mask=m, other=0.).to(tl.float32)
-            w = tl.load(w_ptr + c * (K * K) + dy * K + dx, mask=cmask, other=0.).to(tl.float32)
-            acc += v * w
+            m = row_ok & (col >= 0) & (col < W) & cmask  # zero padding
+            v = tl.load(row_ptr + col * stride_t + c, mask=m, other=0.).to(tl.float32)
+            acc += v * tl.load(w_taps + dy * K + dx, mask=cmask, other=0.).to(tl.float32)
     return acc + tl.load(b_ptr + c, mask=cmask, other=0.).to(tl.float32)
 
 
@@ -87,3 +97,53 @@ def upcast_operands() -> bool:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
+
+
+class LaunchTuner:
+    """A kernel's candidate launch configurations (dicts of constexpr tiles and ``num_warps``) and the choice
+    among them per shape.
+
+    On a GPU the first call for a new ``key`` (the shapes and dtypes the launch depends on) times every
+    candidate with ``triton.testing.do_bench`` and keeps the fastest, as Triton's autotuner does; the
+    kernels write outputs that do not alias their inputs, so timing them repeats the same work. Under
+    the interpreter, and where ``VITBLOCKS_KERNEL_TUNING=0``, the first candidate runs. While
+    :func:`~vitblocks.kernels.launches.record_launches` records, every candidate is launched (and
+    recorded, not run), so the compile check covers them all.
+    """
+    recording_all = False  # set by launches.record_launches
+    instances: Dict[str, 'LaunchTuner'] = {}
+
+    def __init__(self, name: str, candidates: Sequence[dict]):
+        self.name, self.candidates = name, list(candidates)
+        self.chosen: Dict[Hashable, dict] = {}
+        LaunchTuner.instances[name] = self
+
+    def launch(self, key: Hashable, run: Callable[[dict], None], fits: Optional[Callable[[dict], bool]] = None) -> None:
+        """``run(config)`` with the configuration chosen for ``key`` among the candidates that ``fits`` accepts
+        (all by default; e.g. fewer outputs per thread for a larger depthwise kernel)."""
+        candidates = [c for c in self.candidates if fits is None or fits(c)]
+        if not candidates:
+            raise ValueError(f'{self.name}: no candidate launch configuration fits {key!r}')
+        if LaunchTuner.recording_all:
+            for config in candidates:
+                run(config)
+            return
+        if interpreting() or os.environ.get('VITBLOCKS_KERNEL_TUNING', '1') == '0' or len(candidates) == 1:
+            run(candidates[0])
+            return
+        if key not in self.chosen:
+            from triton.testing import do_bench
+            times = [do_bench(lambda c=c: run(c), warmup=5, rep=20) for c in candidates]
+            self.chosen[key] = candidates[times.index(min(times))]
+        run(self.chosen[key])
+
+    @classmethod
+    def table(cls) -> List[dict]:
+        """Every choice made so far in this process: kernel, key, the winning configuration and its index."""
+        return [dict(kernel=t.name, key=repr(k), config=c, candidate=t.candidates.index(c))
+                for t in cls.instances.values() for k, c in t.chosen.items()]
+
+
+def outputs_per_thread(config: dict, rows: str = 'W_BLOCK', cols: str = 'C_BLOCK') -> int:
+    """Elements of a ``(rows, cols)`` tile each of the ``num_warps x 32`` threads computes."""
+    return config[rows] * config[cols] // (32 * config['num_warps'])

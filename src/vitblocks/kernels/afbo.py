@@ -22,11 +22,32 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import act_id, activate, depthwise_conv_tile, dot_dtype, dot_precision, next_pow2, upcast_operands
+from ._common import (LaunchTuner, act_id, activate, depthwise_conv_tile, dot_dtype, dot_precision, next_pow2,
+                      outputs_per_thread, upcast_operands)
 
-__all__ = ['window_spec', 'window_maps', 'dwconv_pair_product']
+__all__ = ['window_spec', 'window_maps', 'dwconv_pair_product', 'GEMM_TUNER', 'PAIR_TUNER']
 
-_T_BLOCK, _N_BLOCK, _K_BLOCK = 64, 64, 32
+# (pixels of a row segment, channels, warps) per program; two branches' accumulators live at once, so 2-4
+# outputs per thread (W_BLOCK=4 x 128 channels spilled 8 bytes at k = 7 on sm_90); the first runs where
+# nothing was timed
+PAIR_TUNER = LaunchTuner('dwconv_pair_product', [
+    dict(W_BLOCK=8, C_BLOCK=32, num_warps=4), dict(W_BLOCK=8, C_BLOCK=64, num_warps=4),
+    dict(W_BLOCK=16, C_BLOCK=64, num_warps=8), dict(W_BLOCK=16, C_BLOCK=32, num_warps=4)])
+
+# (tokens, output channels, reduction step) per program, warps and software-pipeline stages; strict fp32 has
+# no tensor cores (FMA, the accumulator and operands in registers) and takes the small tiles only (_gemm_fits);
+# the first fitting one runs where nothing was timed
+GEMM_TUNER = LaunchTuner('window_maps', [
+    dict(T_BLOCK=64, N_BLOCK=64, K_BLOCK=32, num_warps=4, num_stages=3),
+    dict(T_BLOCK=128, N_BLOCK=64, K_BLOCK=32, num_warps=4, num_stages=3),
+    dict(T_BLOCK=64, N_BLOCK=128, K_BLOCK=32, num_warps=8, num_stages=3),
+    dict(T_BLOCK=32, N_BLOCK=64, K_BLOCK=32, num_warps=4, num_stages=3),
+    dict(T_BLOCK=32, N_BLOCK=32, K_BLOCK=32, num_warps=4, num_stages=3)])
+
+
+def _gemm_fits(fma: bool):
+    """Strict fp32: at most 16 accumulators per thread (64 x 64 on 4 warps spilled on sm_80)."""
+    return lambda config: not fma or outputs_per_thread(config, 'T_BLOCK', 'N_BLOCK') <= 16
 
 # combine(): where the activation goes, as AFBO's act_position / act_branch
 COMBINE_IDS = {('pre', 'left'): 0, ('pre', 'right'): 1, ('pre', 'both'): 2, ('post', 'left'): 3,
@@ -69,7 +90,7 @@ def _window_tile(x_ptr, sx_b, sx_t, sx_c, w_ptr, sw_g, sw_k, sw_n, bias_ptr, out
     tl.store(dest, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & jmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['TOKENS', 'TILES_L', 'TILES_R', 'T_TILES', 'LEFT_TILES'])
 def _window_maps_kernel(x_ptr, sx_b, sx_t, sx_c, TOKENS, D,
                         wl_ptr, swl_g, swl_k, swl_n, bl_ptr, ol_ptr, STEP_L, K_L, N_L, TILES_L,
                         wr_ptr, swr_g, swr_k, swr_n, br_ptr, or_ptr, STEP_R, K_R, N_R, TILES_R,
@@ -112,19 +133,27 @@ def window_maps(x: torch.Tensor, left_map, right_map, dtype: Optional[torch.dtyp
     if has_bias != (right_map.bias is not None):
         raise ValueError('window_maps needs both maps with a bias or both without')
     dummy = out  # any pointer: the bias is not read without HAS_BIAS
-    t_tiles = triton.cdiv(tokens, _T_BLOCK)
-    tiles_l, tiles_r = triton.cdiv(wl.shape[2], _N_BLOCK), triton.cdiv(wr.shape[2], _N_BLOCK)
-    left_tiles = wl.shape[0] * tiles_l
-    launch = (batch * t_tiles, left_tiles + wr.shape[0] * tiles_r)
-    _window_maps_kernel[launch](
-        x, x.stride(0), x.stride(1), x.stride(2), tokens, d,
-        wl, wl.stride(0), wl.stride(1), wl.stride(2), left_map.bias if has_bias else dummy, out[0],
-        step_l, wl.shape[1], wl.shape[2], tiles_l,
-        wr, wr.stride(0), wr.stride(1), wr.stride(2), right_map.bias if has_bias else dummy, out[1],
-        step_r, wr.shape[1], wr.shape[2], tiles_r,
-        out.stride(1), out.stride(2), t_tiles, left_tiles,
-        HAS_BIAS=has_bias, T_BLOCK=_T_BLOCK, N_BLOCK=_N_BLOCK, K_BLOCK=_K_BLOCK, DOT=dot_dtype(dtype),
-        UPCAST=upcast_operands(), PRECISION=dot_precision(dtype))
+    dot, upcast, precision = dot_dtype(dtype), upcast_operands(), dot_precision(dtype)
+
+    def run(config):
+        t_block, n_block = config['T_BLOCK'], config['N_BLOCK']
+        t_tiles = triton.cdiv(tokens, t_block)
+        tiles_l, tiles_r = triton.cdiv(wl.shape[2], n_block), triton.cdiv(wr.shape[2], n_block)
+        left_tiles = wl.shape[0] * tiles_l
+        launch = (batch * t_tiles, left_tiles + wr.shape[0] * tiles_r)
+        _window_maps_kernel[launch](
+            x, x.stride(0), x.stride(1), x.stride(2), tokens, d,
+            wl, wl.stride(0), wl.stride(1), wl.stride(2), left_map.bias if has_bias else dummy, out[0],
+            step_l, wl.shape[1], wl.shape[2], tiles_l,
+            wr, wr.stride(0), wr.stride(1), wr.stride(2), right_map.bias if has_bias else dummy, out[1],
+            step_r, wr.shape[1], wr.shape[2], tiles_r,
+            out.stride(1), out.stride(2), t_tiles, left_tiles,
+            HAS_BIAS=has_bias, T_BLOCK=t_block, N_BLOCK=n_block, K_BLOCK=config['K_BLOCK'], DOT=dot, UPCAST=upcast,
+            PRECISION=precision, num_warps=config['num_warps'], num_stages=config['num_stages'])
+
+    fma = dtype == torch.float32 and precision == 'ieee'  # no tensor cores
+    GEMM_TUNER.launch((batch, tokens, d, md, tuple(wl.shape), tuple(wr.shape), x.stride(), dtype, precision), run,
+                      _gemm_fits(fma))
     return out[0], out[1]
 
 
@@ -142,7 +171,7 @@ def _combine(left, right, ACT: tl.constexpr, COMBINE: tl.constexpr):
     return z
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
 def _dwconv_pair_product_kernel(l_ptr, r_ptr, wl_ptr, bl_ptr, wr_ptr, br_ptr, out_ptr, H, W, C,
                                 stride_b, stride_t, stride_ob, stride_ot,
                                 K: tl.constexpr, ACT: tl.constexpr, COMBINE: tl.constexpr, HAS_CONV: tl.constexpr,
@@ -185,17 +214,20 @@ def dwconv_pair_product(left: torch.Tensor, right: torch.Tensor, convs, grid: Op
     batch, tokens, channels = left.shape
     out = torch.empty_like(left, memory_format=torch.contiguous_format)
     combine, act_code = COMBINE_IDS[(act_position, act_branch)], act_id(act)
-    c_block = min(128, next_pow2(channels))
     p = num_prefix_tokens if convs is not None else 0
 
     def launch(l_part, r_part, o_part, gh, gw, has_conv):
-        w_block = min(16, next_pow2(gw))
         wl, bl, wr, br = _conv_params(convs, l_part) if has_conv else (l_part,) * 4  # unread without HAS_CONV
         k = convs[0].kernel_size[0] if has_conv else 1
-        _dwconv_pair_product_kernel[(batch * gh, triton.cdiv(gw, w_block), triton.cdiv(channels, c_block))](
-            l_part, r_part, wl, bl, wr, br, o_part, gh, gw, channels, l_part.stride(0), l_part.stride(1),
-            o_part.stride(0), o_part.stride(1), K=k, ACT=act_code, COMBINE=combine, HAS_CONV=has_conv,
-            W_BLOCK=w_block, C_BLOCK=c_block)
+
+        def run(config):
+            w_block, c_block = min(config['W_BLOCK'], next_pow2(gw)), min(config['C_BLOCK'], next_pow2(channels))
+            _dwconv_pair_product_kernel[(batch * gh, triton.cdiv(gw, w_block), triton.cdiv(channels, c_block))](
+                l_part, r_part, wl, bl, wr, br, o_part, gh, gw, channels, l_part.stride(0), l_part.stride(1),
+                o_part.stride(0), o_part.stride(1), K=k, ACT=act_code, COMBINE=combine, HAS_CONV=has_conv,
+                W_BLOCK=w_block, C_BLOCK=c_block, num_warps=config['num_warps'])
+
+        PAIR_TUNER.launch((batch, gh, gw, channels, k, has_conv, left.dtype), run)
 
     if convs is None:  # no spatial op: every token of the image as one row
         launch(left, right, out, 1, tokens, False)

@@ -12,9 +12,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import act_id, activate, depthwise_conv_tile, next_pow2
+from ._common import LaunchTuner, act_id, activate, depthwise_conv_tile, next_pow2, outputs_per_thread
 
-__all__ = ['agelu_concat_layernorm', 'dwconv_act_residual']
+__all__ = ['agelu_concat_layernorm', 'dwconv_act_residual', 'DWCONV_TUNER']
+
+# (pixels of a row segment, channels, warps) per program: 4-8 outputs per thread (4 at k = 7, see
+# _dwconv_fits), so the tap loop's loads and the accumulator fit in 128 registers; the first fitting one runs
+# where nothing was timed
+DWCONV_TUNER = LaunchTuner('dwconv_act_residual', [
+    dict(W_BLOCK=8, C_BLOCK=64, num_warps=4), dict(W_BLOCK=16, C_BLOCK=64, num_warps=4),
+    dict(W_BLOCK=8, C_BLOCK=128, num_warps=4), dict(W_BLOCK=16, C_BLOCK=64, num_warps=8),
+    dict(W_BLOCK=8, C_BLOCK=128, num_warps=8)])
+
+
+def _dwconv_fits(k: int):
+    """k = 7 with 8 outputs per thread took 157-171 registers on sm_90 (ptxas unrolls the row loop)."""
+    return lambda config: outputs_per_thread(config) <= (8 if k <= 5 else 4)
 
 
 @triton.jit
@@ -75,7 +88,7 @@ def agelu_concat_layernorm(h: torch.Tensor, alpha: torch.Tensor, gamma: torch.Te
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['H', 'W', 'C'])
 def _dwconv_act_residual_kernel(y_ptr, w_ptr, b_ptr, out_ptr, H, W, C, stride_yb, stride_yt, stride_ob, stride_ot,
                                 K: tl.constexpr, ACT: tl.constexpr, W_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr):
     # program: one image row segment of W_BLOCK pixels x C_BLOCK channels; tokens are (B, H*W, C), channels contiguous
@@ -116,10 +129,16 @@ def dwconv_act_residual(y: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     k = weight.shape[-1]
     if bias is None:
         bias = weight.new_zeros(channels)
-    w_block, c_block = min(16, next_pow2(gw)), min(128, next_pow2(channels))
-    launch = (batch * gh, triton.cdiv(gw, w_block), triton.cdiv(channels, c_block))
     patches, patches_out = y[:, p:], out[:, p:]  # (B, H*W, C) views
-    _dwconv_act_residual_kernel[launch](
-        patches, weight.contiguous(), bias, patches_out, gh, gw, channels, patches.stride(0), patches.stride(1),
-        patches_out.stride(0), patches_out.stride(1), K=k, ACT=act_id(act), W_BLOCK=w_block, C_BLOCK=c_block)
+    weight, act_code = weight.contiguous(), act_id(act)
+
+    def run(config):
+        w_block, c_block = min(config['W_BLOCK'], next_pow2(gw)), min(config['C_BLOCK'], next_pow2(channels))
+        launch = (batch * gh, triton.cdiv(gw, w_block), triton.cdiv(channels, c_block))
+        _dwconv_act_residual_kernel[launch](
+            patches, weight, bias, patches_out, gh, gw, channels, patches.stride(0), patches.stride(1),
+            patches_out.stride(0), patches_out.stride(1), K=k, ACT=act_code, W_BLOCK=w_block, C_BLOCK=c_block,
+            num_warps=config['num_warps'])
+
+    DWCONV_TUNER.launch((batch, gh, gw, channels, k, y.dtype), run, _dwconv_fits(k))
     return out
