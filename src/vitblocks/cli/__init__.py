@@ -9,14 +9,15 @@ import sys
 import textwrap
 from typing import List, Optional
 
-from . import analyze, bench, compare, convert, export, list_models, plot, profile_model, reproduce, train
+from . import analyze, bench, compare, convert, export, glue, list_models, plot, profile_model, reproduce, train
 from . import eval as eval_cmd  # module is eval.py; keeps the builtin unshadowed
 from ..experiments.distributed import shutdown
 from .common import ArgumentParser, CliError
 
 __all__ = ['main', 'build_parser']
 
-COMMANDS = (compare, profile_model, bench, list_models, train, eval_cmd, plot, reproduce, analyze, export, convert)
+COMMANDS = (compare, profile_model, bench, list_models, train, eval_cmd, plot, reproduce, analyze, export, convert,
+            glue)
 
 EPILOG = """\
 examples:
@@ -28,6 +29,7 @@ examples:
   vitblocks eval --checkpoint runs/RUN/best.pth --data /path/to/cifar10
   vitblocks reproduce ninformer-table1 --datasets mnist --max-steps 60 --test-subset 2000
   vitblocks analyze collapse deit_small_patch16_224
+  vitblocks glue cola --data glue_data/CoLA --model path/to/bert-base-uncased
   vitblocks convert RePaViT_Base.pth repavit_base.safetensors --model repa_prenorm_deit_base_patch16_224
 """
 

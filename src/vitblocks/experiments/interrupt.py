@@ -21,12 +21,13 @@ __all__ = ['StopRequest', 'TrainingInterrupted']
 class TrainingInterrupted(Exception):
     """The run was stopped by a signal after saving a checkpoint; the message says how to resume."""
 
-    def __init__(self, signal_name: str, step: int, run_dir: Path, evaluation_owed: bool = False):
+    def __init__(self, signal_name: str, step: int, run_dir: Path, evaluation_owed: bool = False,
+                 command: str = 'vitblocks train'):
         self.signal_name, self.step, self.run_dir = signal_name, step, run_dir
         self.evaluation_owed = evaluation_owed
         during, then = (' during its evaluation', ' (the resumed run evaluates first)') if evaluation_owed else ('', '')
         super().__init__(f'{signal_name} at step {step}{during}: saved {run_dir / "last.pth"}{then}; resume with: '
-                         f'vitblocks train --resume {run_dir}')
+                         f'{command} --resume {run_dir}')
 
 
 class StopRequest:

@@ -6,7 +6,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ['MetricsLog', 'Progress', 'read_metrics', 'remove_stale_temporaries', 'METRIC_COLUMNS', 'write_stop_record',
            'read_stop_record', 'read_json', 'write_json', 'STOP_RECORD']
@@ -21,14 +21,18 @@ class MetricsLog:
     ``truncate_after(step)`` drops rows written after a checkpoint, so a resumed run's file has
     each step once, as an uninterrupted run's would; ``fresh=True`` (a run starting from step 0)
     drops every row a killed earlier attempt left. An evaluation row for a (step, split) that is
-    already in the file replaces it (a finished run resumed re-evaluates its last step).
+    already in the file replaces it (a finished run resumed re-evaluates its last step). ``columns``: the file's
+    columns, starting with step, epoch, split (another trainer's metrics, e.g. GLUE's accuracy and Matthews
+    correlation).
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, fresh: bool = False):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, fresh: bool = False,
+                 columns: Sequence[str] = tuple(METRIC_COLUMNS)):
         self.path = run_dir / 'metrics.csv'
+        self.columns = list(columns)
         if fresh or not self.path.exists():
             with open(self.path, 'w', newline='') as f:
-                csv.writer(f).writerow(METRIC_COLUMNS)
+                csv.writer(f).writerow(self.columns)
         self.tb = None
         self.tb_note = ''
         if tensorboard:
@@ -44,14 +48,14 @@ class MetricsLog:
     def _rewrite(self, rows: List[Dict[str, str]]) -> None:
         tmp = self.path.with_suffix('.csv.tmp')
         with open(tmp, 'w', newline='') as f:
-            w = csv.DictWriter(f, METRIC_COLUMNS)
+            w = csv.DictWriter(f, self.columns)
             w.writeheader()
             w.writerows(rows)
         os.replace(tmp, self.path)
 
     def write(self, step: int, epoch: float, split: str, **values: Optional[float]) -> None:
         row = {'step': step, 'epoch': f'{epoch:.4f}', 'split': split}
-        for k in METRIC_COLUMNS[3:]:
+        for k in self.columns[3:]:
             v = values.get(k)
             row[k] = '' if v is None else f'{v:.6g}'
         rows = read_metrics(self.path) if split != 'train' else []
@@ -61,7 +65,7 @@ class MetricsLog:
             self._rewrite(rows)
         else:
             with open(self.path, 'a', newline='') as f:
-                csv.DictWriter(f, METRIC_COLUMNS).writerow(row)
+                csv.DictWriter(f, self.columns).writerow(row)
         if self.tb is not None:
             for k, v in values.items():
                 if v is not None and k != 'elapsed_s':
@@ -148,20 +152,22 @@ def process_age_s() -> Optional[float]:
 
 class Progress:
     """A tqdm bar per epoch (images/s and ETA), or a log line every ``log_interval`` steps when
-    stderr is not a terminal (``mode='auto'``), or nothing."""
+    stderr is not a terminal (``mode='auto'``), or nothing. ``unit``: what a batch counts (images, or a text
+    task's examples)."""
 
-    def __init__(self, mode: str, enabled: bool, total_steps: int, batch_images: int):
+    def __init__(self, mode: str, enabled: bool, total_steps: int, batch_images: int, unit: str = 'img'):
         if mode == 'auto':
             mode = 'bar' if sys.stderr.isatty() else 'log'
         self.mode = mode if enabled else 'none'
         self.total_steps, self.batch_images = total_steps, batch_images
+        self.unit = unit
         self.bar = None
         self._t0 = self._steps0 = None
 
     def start_epoch(self, epoch: int, epochs: int, start: int, steps: int) -> None:
         if self.mode == 'bar':
             from tqdm import tqdm
-            self.bar = tqdm(total=steps * self.batch_images, initial=start * self.batch_images, unit='img',
+            self.bar = tqdm(total=steps * self.batch_images, initial=start * self.batch_images, unit=self.unit,
                             unit_scale=True, desc=f'epoch {epoch + 1}/{epochs}', dynamic_ncols=True, leave=True)
 
     def update(self, step: int, epoch_step: int, loss: Callable[[], float], lr: float) -> None:
@@ -182,7 +188,7 @@ class Progress:
         if self.mode == 'log':
             eta = (self.total_steps - step) * self.batch_images / rate
             print(f'step {step}/{self.total_steps} epoch {epoch:.2f} loss {loss:.4f} lr {lr:.3g} '
-                  f'{rate:.1f} img/s ETA {_fmt_time(eta)}', file=sys.stderr, flush=True)
+                  f'{rate:.1f} {self.unit}/s ETA {_fmt_time(eta)}', file=sys.stderr, flush=True)
         return rate
 
     def end_epoch(self) -> None:

@@ -13,6 +13,7 @@ baseline, RePa) resolves it here, so all accept the same names:
 | ``sigmoid``            | ``nn.Sigmoid``  | GLU's gate (AFBO Table 1)                              |
 | ``hardswish`` (``hard_swish``) | ``nn.Hardswish`` | LocalViT                                      |
 | ``relu6``              | ``nn.ReLU6``    |                                                        |
+| ``gelu_tanh``          | timm ``GELUTanh`` | GPT-1/2's FFN (tanh approximation; ``vitblocks.hf``)  |
 
 A timm-style class is accepted wherever a name is (``act_layer=nn.SiLU``, or timm's own ``GELU``,
 ``Swish``, ``Sigmoid``, ``HardSwish``); any other class is an error naming the supported ones.
@@ -48,6 +49,7 @@ ACTIVATIONS: dict[str, ActivationSpec] = {
     'sigmoid': ActivationSpec(nn.Sigmoid, torch.sigmoid, torch.sigmoid_),
     'hardswish': ActivationSpec(nn.Hardswish, F.hardswish, partial(F.hardswish, inplace=True)),
     'relu6': ActivationSpec(nn.ReLU6, F.relu6, partial(F.relu6, inplace=True)),
+    'gelu_tanh': ActivationSpec(timm_act.GELUTanh, partial(F.gelu, approximate='tanh'), None),
 }
 ACTIVATION_ALIASES = {'swish': 'silu', 'hard_swish': 'hardswish'}
 # timm's own classes for the same functions (GC ViT's MLP uses timm's GELU, for instance)

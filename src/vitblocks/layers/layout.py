@@ -29,6 +29,9 @@ class TokenLayout(nn.Module):
         num_prefix_tokens: leading tokens that are not on the grid (class, distillation,
             register tokens); they bypass the spatial op.
         channels_first: input is ``(B, C, H, W)`` instead of ``(B, N, C)``.
+        sequence: the tokens are a 1-D sequence of any length ``L`` (text): the grid of ``N`` tokens is
+            ``(1, N - prefix)``, read from the input on every call, so a map is ``(B, C, 1, L)`` and a spatial
+            op built for it runs along the sequence (``vitblocks.hf`` builds its kernels ``(1, k)``).
 
     Several layers of one model may share a single instance (all blocks of a ViT see the
     same grid), so updating it once per forward updates them all.
@@ -42,13 +45,18 @@ class TokenLayout(nn.Module):
     grid_size: Optional[Tuple[int, int]]
     num_prefix_tokens: int
     channels_first: bool
+    sequence: bool
 
     def __init__(self, grid_size: Optional[Sequence[int]] = None, num_prefix_tokens: int = 0,
-                 channels_first: bool = False):
+                 channels_first: bool = False, sequence: bool = False):
         super().__init__()
+        if sequence and (grid_size is not None or channels_first):
+            raise ValueError('a sequence layout reads its length from the input: give no grid_size and no '
+                             'channels_first with sequence=True')
         self.grid_size = (int(grid_size[0]), int(grid_size[1])) if grid_size is not None else None
         self.num_prefix_tokens = num_prefix_tokens
         self.channels_first = channels_first
+        self.sequence = sequence
 
     @classmethod
     def resolve(cls, layout: Optional['TokenLayout'], grid_size: Optional[Sequence[int]] = None,
@@ -65,6 +73,8 @@ class TokenLayout(nn.Module):
 
     def check_grid(self, num_tokens: int, owner: str = 'layer') -> Tuple[int, int]:
         """Return the grid for a token tensor with ``num_tokens`` tokens, or raise a clear error."""
+        if self.sequence:  # (B, P + L, C): a 1 x L grid of any length
+            return 1, num_tokens - self.num_prefix_tokens
         grid = self.grid_size
         if grid is None:
             raise ValueError(
@@ -125,8 +135,9 @@ class TokenLayout(nn.Module):
         return merge_tokens(prefix, fmap)
 
     def extra_repr(self) -> str:
+        seq = ', sequence=True' if self.sequence else ''
         return f'grid_size={self.grid_size}, num_prefix_tokens={self.num_prefix_tokens}, ' \
-               f'channels_first={self.channels_first}'
+               f'channels_first={self.channels_first}{seq}'
 
 
 def check_grid(layout: TokenLayout, num_tokens: int, owner: str = 'layer') -> Tuple[int, int]:
