@@ -1,4 +1,5 @@
 """`vitblocks export MODEL --format pt2|onnx|safetensors --out PATH`: export a (deployed) model."""
+import json
 import sys
 import time
 from pathlib import Path
@@ -224,7 +225,10 @@ def run(args) -> int:
         else ''
     if args.format == 'safetensors':
         metadata = read_deployed_metadata(path)
-        recorded = {**recorded_sizes(metadata), **recorded_preprocessing(metadata)}
+        built = {k: metadata[k] for k in ('block_cfg', 'build_kwargs') if k in metadata}
+        recorded = {**recorded_sizes(metadata), **built, **recorded_preprocessing(metadata)}
+        if 'surgery' in metadata:
+            recorded['surgery'] = ','.join(step['surgery'] for step in json.loads(metadata['surgery']))
         print(f'wrote safetensors {path} ({path.stat().st_size / 2 ** 20:.1f} MiB, records '
               f'{" ".join(f"{k}={v}" for k, v in recorded.items())})')
     else:

@@ -63,6 +63,9 @@ __all__ = ['save_deployed', 'load_deployed', 'read_deployed_metadata', 'is_deplo
 FORMAT = 'vitblocks.deployed/1'  # metadata['format'] of every file save_deployed writes
 SIZE_KEYS = ('num_classes', 'img_size', 'in_chans', 'dynamic_img_size')  # timm kwargs a file records (JSON values)
 RECIPE_KEYS = ('block_cfg', 'build_kwargs', 'surgery', 'unrecordable')  # how it was built (JSON values)
+# timm kwargs that change training only (dropout rates): not recorded, a deployed model runs in eval mode
+TRAINING_ONLY_KWARGS = ('drop_rate', 'drop_path_rate', 'proj_drop_rate', 'attn_drop_rate', 'pos_drop_rate',
+                        'patch_drop_rate')
 PREPROCESSING_KEYS = ('input_size', 'mean', 'std')  # optional: [C, H, W] and per-channel normalization (JSON)
 
 PathLike = Union[str, os.PathLike]
@@ -148,8 +151,8 @@ def _recipe_metadata(model: nn.Module, architecture: str, block_cfg: Optional[Di
         cfg = None  # recipe['unrecordable'] says why
     if cfg:
         out['block_cfg'] = cfg
-    kwargs = {k: v for k, v in (build.get('kwargs') or {}).items() if k not in SIZE_KEYS and json_ready(v)} \
-        if same else {}
+    kwargs = {k: v for k, v in (build.get('kwargs') or {}).items()
+              if k not in SIZE_KEYS and k not in TRAINING_ONLY_KWARGS and json_ready(v)} if same else {}
     if kwargs:
         out['build_kwargs'] = kwargs
     if recipe.get('surgery'):
