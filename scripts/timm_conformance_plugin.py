@@ -2,12 +2,15 @@
 ``scripts/timm_conformance.py`` with ``-p timm_conformance_plugin``; see docs/conformance.md).
 
 timm parametrizes its model tests at import time with ``timm.list_models(filter, module,
-exclude_filters, ...)``. This plugin replaces that function before the test file is collected, so
-that it returns the vitblocks models whose *timm base* the same call returns: each model joins the
-test kinds its timm family joins, under timm's own filters. The backbones vitblocks adds to timm
-are their own base; those whose features are tokens rather than a map (no spatial ``pool_size``,
-as LV-ViT) are routed like timm's token families (``vit_*``, ``volo_*``), which timm selects by name
-through ``NON_STD_FILTERS``.
+exclude_filters, ...)``. Before the test file is collected (``pytest_configure``), this plugin replaces
+that function with one that returns the vitblocks models whose *timm base* the same call returns: each
+model joins the test kinds its timm family joins, under timm's own filters. The base comes from the
+registry (``get_variant(name).base``, also named in the model config's ``description``), not from the
+name: ``ninformer_baseline_localvit_patch4_28`` is a timm ViT although no filter matches its name. The
+backbones vitblocks adds to timm are their own base; those whose features are tokens rather than a map
+(no spatial ``pool_size``: LV-ViT, and LVT, whose ImageNet model ends in class-attention blocks) are
+routed like timm's token families (``vit_*``, ``volo_*``, ``cait_*``), which timm selects by name through
+``NON_STD_FILTERS``.
 
 Environment (set by the runner):
 
@@ -72,7 +75,8 @@ def list_models(filter='', module='', pretrained=False, exclude_filters='', name
     return out
 
 
-timm.list_models = list_models
+def pytest_configure(config):
+    timm.list_models = list_models  # before timm's test file is imported (collection)
 
 
 def _model_of(item):
