@@ -168,8 +168,9 @@ def main(argv=None):
     parser.add_argument('--models', nargs='+', default=[], metavar='PATTERN',
                         help='registered models to run (shell-style patterns); default: every registered model')
     parser.add_argument('--kinds', nargs='+', default=[], metavar='PATTERN',
-                        help="test kinds to run, as timm's test names without 'test_model_' "
-                             "(shell-style, e.g. 'default_cfgs*' 'forward'); default: every kind")
+                        help="test kinds to run, as timm's test names ('test_model_' may be left out) "
+                             "(shell-style, e.g. 'default_cfgs*' 'forward'), run in this order ('default_cfgs*' '*': "
+                             "those first, then the rest); default: every kind in timm's file order")
     parser.add_argument('--jobs', type=int, default=1, help='pytest processes side by side (default 1)')
     parser.add_argument('--threads', type=int, default=1, help='torch threads per process (default 1)')
     parser.add_argument('--time-limit', type=float, default=1200.,
@@ -196,7 +197,6 @@ def main(argv=None):
         parser.error(f'--jobs {args.jobs}, --threads {args.threads}, --time-limit {args.time_limit:g}: '
                      f'each must be positive')
     test_file = find_test_file(args.timm_tests.expanduser().resolve())
-    args.kinds = [k if k.startswith('test_') else f'test_model_{k}' for k in args.kinds]
     models = select_models(args.models)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,8 @@ routed like timm's token families (``vit_*``, ``volo_*``, ``cait_*``), which tim
 Environment (set by the runner):
 
 * ``VITBLOCKS_CONFORMANCE_MODELS``: comma-separated models to keep; every other case is deselected.
-* ``VITBLOCKS_CONFORMANCE_KINDS``: comma-separated shell-style patterns of test names to keep (default all).
+* ``VITBLOCKS_CONFORMANCE_KINDS``: comma-separated shell-style patterns of the test names to keep
+  (``test_model_`` may be left out; default all); the kinds run in the order of the patterns.
 * ``VITBLOCKS_CONFORMANCE_SHARD``: ``i/n``, keep every n-th selected case from the i-th (0-based).
 * ``VITBLOCKS_CONFORMANCE_COLLECTED``: a file to which one JSON line per kept case is written.
 * ``VITBLOCKS_CONFORMANCE_RESULTS``: a file to which one JSON line per finished case is appended.
@@ -92,12 +93,20 @@ def pytest_collection_modifyitems(config, items):
     kinds = list(filter(None, os.environ.get('VITBLOCKS_CONFORMANCE_KINDS', '').split(','))) or ['*']
     shard, shards = (int(v) for v in os.environ.get('VITBLOCKS_CONFORMANCE_SHARD', '0/1').split('/'))
     limit = os.environ.get('VITBLOCKS_CONFORMANCE_TIME_LIMIT')
-    chosen = [it for it in items if _model_of(it) in wanted and any(fnmatch.fnmatch(it.originalname, k) for k in kinds)]
-    # interleave by model so that each shard gets a share of the large models
-    chosen.sort(key=lambda it: (_model_of(it), it.nodeid))
-    keep = set(id(it) for it in chosen[shard::shards])
-    config.hook.pytest_deselected(items=[it for it in items if id(it) not in keep])
-    items[:] = [it for it in items if id(it) in keep]
+
+    def rank(it):  # the first kind pattern the case's test name matches, with or without 'test_model_'
+        names = (it.originalname, it.originalname.removeprefix('test_model_'))
+        return next((i for i, k in enumerate(kinds) if any(fnmatch.fnmatch(n, k) for n in names)), None)
+
+    chosen = [it for it in items if _model_of(it) in wanted and rank(it) is not None]
+    # the kinds in the order of their patterns (timm's file order within a pattern), the models of a kind
+    # dealt round the shards in name order, so that each shard gets a share of the large models
+    position = {id(it): i for i, it in enumerate(items)}
+    by_kind = sorted(chosen, key=lambda it: (rank(it), it.originalname, _model_of(it), it.nodeid))
+    keep = by_kind[shard::shards]
+    kept = set(id(it) for it in keep)
+    config.hook.pytest_deselected(items=[it for it in items if id(it) not in kept])
+    items[:] = sorted(keep, key=lambda it: (rank(it), position[id(it)]))
     _MODEL_OF_CASE.update((it.nodeid, _model_of(it)) for it in items)
     path = os.environ.get('VITBLOCKS_CONFORMANCE_COLLECTED')
     if path:
