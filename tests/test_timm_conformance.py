@@ -27,10 +27,11 @@ sys.path.insert(0, str(ROOT / 'scripts'))
 import timm_conformance  # noqa: E402
 import timm_conformance_plugin as routing  # noqa: E402
 
-# LVT and LV-ViT (added backbones and swapped variants), the NiNformer paper's LocalViT baseline, and one
-# model of each other added backbone family (their builders took no device and their heads lost it)
+# LVT and LV-ViT (added backbones and swapped variants), the NiNformer paper's LocalViT baseline, one
+# model of each other added backbone family (their builders took no device and their heads lost it), and
+# a RePa PoolFormer (the surgery read MetaFormer's layer scale, which a meta model has no value for)
 CONTRACT = ['afbo_lvt', 'iffn_lvt', 'lvvit_s', 'repa_lvvit_s', 'ninformer_baseline_localvit_patch4_28',
-            'cyclemlp_b1', 'hiremlp_tiny', 'edgevit_xxs', 'pyramid_visionllama_s']
+            'cyclemlp_b1', 'hiremlp_tiny', 'edgevit_xxs', 'pyramid_visionllama_s', 'repa_poolformer_s12']
 META = dict(device='meta', dtype=torch.float32)
 
 
