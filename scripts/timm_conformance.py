@@ -61,12 +61,16 @@ def select_models(patterns):
     return sorted(chosen)
 
 
-def _git_commit(path: Path):
+def _git_commit(path: Path, mark_changes: bool = False):
+    """The commit checked out at ``path`` (None outside git); ``mark_changes``: '+changes' if files differ from it."""
+    git = ['git', '-C', str(path)]
     try:
-        out = subprocess.run(['git', '-C', str(path), 'rev-parse', 'HEAD'], capture_output=True, text=True, check=True)
+        commit = subprocess.run([*git, 'rev-parse', 'HEAD'], capture_output=True, text=True, check=True).stdout.strip()
+        changed = mark_changes and subprocess.run([*git, 'status', '--porcelain', '--untracked-files=no'],
+                                                  capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
-    return out.stdout.strip()
+    return commit + ('+changes' if changed else '')
 
 
 def describe_run(test_file: Path, models, args) -> dict:
@@ -75,7 +79,7 @@ def describe_run(test_file: Path, models, args) -> dict:
         started=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
         timm_version=timm.__version__, test_file=str(test_file),
         test_file_sha256=hashlib.sha256(test_file.read_bytes()).hexdigest(),
-        timm_commit=_git_commit(test_file.parent), vitblocks_commit=_git_commit(SCRIPTS),
+        timm_commit=_git_commit(test_file.parent), vitblocks_commit=_git_commit(SCRIPTS.parent, mark_changes=True),
         models=len(models), kinds=args.kinds or ['*'], jobs=args.jobs, time_limit_s=args.time_limit,
         threads=args.threads)
 
@@ -104,6 +108,10 @@ def run_shards(test_file: Path, models, args, out: Path):
     if broken:
         print(f'pytest did not finish in shard(s) {broken}: see {out}/shard-<i>.log', file=sys.stderr)
     return not broken
+
+
+def _short(commit):
+    return commit and commit[:12] + ('+changes' if commit.endswith('+changes') else '')
 
 
 def _read_jsonl(out: Path, stem: str):
@@ -136,7 +144,7 @@ def summarize(out: Path) -> tuple:
     if run:
         lines += [f"timm {run['timm_version']}, `{Path(run['test_file']).name}` sha256 {run['test_file_sha256'][:12]}"
                   f"{', timm commit ' + run['timm_commit'][:12] if run.get('timm_commit') else ''}; vitblocks "
-                  f"{(run.get('vitblocks_commit') or 'uncommitted')[:12]}; started {run['started']}; "
+                  f"{_short(run.get('vitblocks_commit')) or 'source outside git'}; started {run['started']}; "
                   f"{run['models']} models, {run['jobs']} job(s) x {run['threads']} thread(s), "
                   f"{run['time_limit_s']:g} s per case.", '']
     totals = Counter(CELL[outcome[n]['outcome'] if n in outcome else None] for n in cases)
