@@ -78,8 +78,12 @@ def _entrypoint(spec: VariantSpec):
     create.__name__ = spec.name
     create.__qualname__ = spec.name
     create.__module__ = __name__
-    create.__doc__ = f'{spec.description or spec.name}: timm {spec.base} with {spec.method} blocks.'
+    create.__doc__ = _what(spec)
     return create
+
+
+def _what(spec: VariantSpec) -> str:
+    return f'{spec.description or spec.name}: timm {spec.base} with {spec.method} blocks.'
 
 
 default_cfgs: Dict[str, Dict[str, Any]] = {}  # read by timm's register_model
@@ -110,7 +114,10 @@ def register_variant(spec: VariantSpec) -> VariantSpec:
                          f'({", ".join(_CFG_KEYS)})')
     if 'input_size' in spec.pretrained_cfg and base_cfg.get('pool_size') and 'pool_size' not in spec.pretrained_cfg:
         raise ValueError(f'{spec.name}: a new input_size changes the feature grid; give pool_size too')
-    default_cfgs[spec.name] = {**{k: base_cfg[k] for k in _CFG_KEYS if k in base_cfg}, **spec.pretrained_cfg}
+    # the config says what the model is (timm's `description` field): a tool that reads configs rather than
+    # names (a ViT-based model need not be called vit_*) finds the timm base family there
+    default_cfgs[spec.name] = {**{k: base_cfg[k] for k in _CFG_KEYS if k in base_cfg}, **spec.pretrained_cfg,
+                               'description': _what(spec)}
     _VARIANTS[spec.name] = spec
     register_model(_entrypoint(spec))
     return spec

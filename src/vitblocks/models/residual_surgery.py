@@ -80,6 +80,8 @@ def _scale_value(module: nn.Module) -> Optional[float]:
         return float(module.init_values)
     param = getattr(module, 'gamma', None)
     param = param if param is not None else getattr(module, 'scale')  # metaformer Scale
+    if param.is_meta:  # built without storage (timm.create_model(..., device='meta')): there is no value to read,
+        return 1.0  # and the unit's scale, of the same shape, has none either; the number only says "a scale"
     return float(param.detach().flatten()[0])
 
 

@@ -33,7 +33,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClassifierHead, DropPath, Mlp, trunc_normal_
+from timm.layers import ClassifierHead, get_device_dtype, DropPath, Mlp, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
@@ -169,7 +169,8 @@ class StagedMlpNet(StagedBackbone):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         self.num_classes = num_classes
-        self.head.reset(num_classes, global_pool)
+        # on the model's device and dtype, also after reset_classifier(0) left the head without parameters
+        self.head.reset(num_classes, global_pool, **get_device_dtype(self))
         if global_pool is not None:
             self.global_pool = global_pool
         self.head_hidden_size = self.head.num_features
@@ -197,6 +198,7 @@ class CycleMLPNet(StagedMlpNet):
                  num_classes: int = 1000, in_chans: int = 3, global_pool: str = 'avg', qkv_bias: bool = False,
                  drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0.):
         super().__init__()
+        self.in_chans = in_chans  # timm's attribute: the input image's channels
         if not len(depths) == len(embed_dims) == len(mlp_ratios):
             raise ValueError(f'depths, embed_dims and mlp_ratios need one entry per stage, got '
                              f'{len(depths)}, {len(embed_dims)}, {len(mlp_ratios)}')

@@ -45,7 +45,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import ClassifierHead, DropPath, LayerNorm2d, Mlp
+from timm.layers import ClassifierHead, get_device_dtype, DropPath, LayerNorm2d, Mlp
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
@@ -182,6 +182,7 @@ class EdgeViT(StagedBackbone):
                  mlp_ratio: float = 4., qkv_bias: bool = True, global_pool: str = 'avg', drop_rate: float = 0.,
                  proj_drop_rate: float = 0., attn_drop_rate: float = 0., drop_path_rate: float = 0.):
         super().__init__()
+        self.in_chans = in_chans  # timm's attribute: the input image's channels
         if not len(embed_dims) == len(depths) == len(sr_ratios):
             raise ValueError(f'embed_dims, depths and sr_ratios need one entry per stage, got '
                              f'{len(embed_dims)}, {len(depths)}, {len(sr_ratios)}')
@@ -217,7 +218,8 @@ class EdgeViT(StagedBackbone):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         self.num_classes = num_classes
-        self.head.reset(num_classes, pool_type=global_pool)
+        # on the model's device and dtype, also after reset_classifier(0) left the head without parameters
+        self.head.reset(num_classes, pool_type=global_pool, **get_device_dtype(self))
         if global_pool is not None:
             self.global_pool = global_pool
         self.head_hidden_size = self.head.num_features

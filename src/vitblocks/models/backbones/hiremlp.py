@@ -159,6 +159,7 @@ class HireMLPNet(StagedMlpNet):
                  num_classes: int = 1000, in_chans: int = 3, global_pool: str = 'avg', drop_rate: float = 0.,
                  proj_drop_rate: float = 0., drop_path_rate: float = 0.):
         super().__init__()
+        self.in_chans = in_chans  # timm's attribute: the input image's channels
         per_stage = dict(depths=depths, embed_dims=embed_dims, mlp_ratios=mlp_ratios, regions=regions,
                          shift_periods=shift_periods, shift_dilations=shift_dilations)
         if len({len(v) for v in per_stage.values()}) != 1:

@@ -204,6 +204,7 @@ class LVT(StagedBackbone):
                  global_pool: Optional[str] = None, drop_rate: float = 0., proj_drop_rate: float = 0.,
                  attn_drop_rate: float = 0., drop_path_rate: float = 0.):
         super().__init__()
+        self.in_chans = in_chans  # timm's attribute: the input image's channels
         pool = 'token' if class_blocks else 'avg'
         if global_pool not in (None, pool):
             raise ValueError(f"LVT with class_blocks={class_blocks} pools by {pool!r}, got global_pool={global_pool!r}"
@@ -275,8 +276,9 @@ class LVT(StagedBackbone):
         ref = self.stages[0].downsample.weight
         dd = dict(device=ref.device, dtype=ref.dtype)
         linear = lambda: nn.Linear(self.num_features, num_classes, **dd)  # noqa: E731
-        self.head = linear() if num_classes > 0 else nn.Identity()
-        self.aux_head = linear() if num_classes > 0 and self.use_aux_head else None
+        # new heads join the model's train / eval mode
+        self.head = linear().train(self.training) if num_classes > 0 else nn.Identity()
+        self.aux_head = linear().train(self.training) if num_classes > 0 and self.use_aux_head else None
         for head in (self.head, self.aux_head):
             if isinstance(head, nn.Linear) and head.weight.device.type != 'meta':
                 self._init_weights(head)

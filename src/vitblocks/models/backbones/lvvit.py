@@ -129,7 +129,7 @@ class LVViT(VisionTransformer):
         if not self.use_aux_head or self.num_classes <= 0:
             return None
         ref = self.head.weight
-        head = nn.Linear(self.embed_dim, self.num_classes, device=ref.device, dtype=ref.dtype)
+        head = nn.Linear(self.embed_dim, self.num_classes, device=ref.device, dtype=ref.dtype).train(self.training)
         if ref.device.type != 'meta':
             nn.init.trunc_normal_(head.weight, std=.02)
             nn.init.zeros_(head.bias)

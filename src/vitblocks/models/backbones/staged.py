@@ -11,6 +11,7 @@ only the hooks where it differs.
 timm has no such base class (each timm model writes these methods itself), so it is written here once.
 """
 import math
+from contextlib import nullcontext
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -172,11 +173,16 @@ class ChannelsLastStage(nn.Module):
         return self.blocks(x)
 
 
-def create_staged(model_cls, name: str, pretrained: bool, **kwargs) -> nn.Module:
+def create_staged(model_cls, name: str, pretrained: bool, device=None, dtype=None, **kwargs) -> nn.Module:
     """timm builder for a registered staged backbone (``features_only``: the four stages, timm's getter
-    wrapper over ``forward_intermediates``)."""
+    wrapper over ``forward_intermediates``). ``device`` / ``dtype`` (``timm.create_model(..., device=, dtype=)``):
+    the model is built on that device (``'meta'``: no memory) and in that dtype."""
     if pretrained:
         raise RuntimeError(f'{name}: vitblocks ships no weights (nothing is downloaded); pass checkpoint_path= '
                            f'to timm.create_model to load a checkpoint')
-    return build_model_with_cfg(model_cls, name, pretrained,
-                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'), **kwargs)
+    # the layers take no device argument (timm's own models pass one to each): they are built inside the
+    # device context instead, which places every parameter and buffer there without a copy
+    with torch.device(device) if device is not None else nullcontext():
+        model = build_model_with_cfg(model_cls, name, pretrained,
+                                     feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls='getter'), **kwargs)
+    return model if dtype is None else model.to(dtype=dtype)

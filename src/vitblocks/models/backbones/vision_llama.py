@@ -183,6 +183,7 @@ class PyramidVisionLLaMA(StagedBackbone):
                  swiglu_align: int = 256, global_pool: str = 'avg', drop_rate: float = 0., proj_drop_rate: float = 0.,
                  attn_drop_rate: float = 0., drop_path_rate: float = 0.):
         super().__init__()
+        self.in_chans = in_chans  # timm's attribute: the input image's channels
         if not len(embed_dims) == len(depths) == len(num_heads) == len(sr_ratios):
             raise ValueError(f'embed_dims, depths, num_heads and sr_ratios need one entry per stage, got '
                              f'{len(embed_dims)}, {len(depths)}, {len(num_heads)}, {len(sr_ratios)}')
@@ -231,7 +232,7 @@ class PyramidVisionLLaMA(StagedBackbone):
         if global_pool is not None:
             self.global_pool = global_pool
         ref = self.stages[0].downsample.weight
-        self.head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype) \
+        self.head = nn.Linear(self.num_features, num_classes, device=ref.device, dtype=ref.dtype).train(self.training) \
             if num_classes > 0 else nn.Identity()
         if isinstance(self.head, nn.Linear) and ref.device.type != 'meta':
             self._init_weights(self.head)
