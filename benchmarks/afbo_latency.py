@@ -46,7 +46,6 @@ import vitblocks  # noqa: F401  (registers the afbo_* models with timm)
 from vitblocks.deploy import reparameterize
 from vitblocks.layers import AFBO, AFBODeployed
 from vitblocks.layers.channel_maps import create_channel_map, map_cost
-from vitblocks.layers.cpu_cache import slice_budget_bytes
 from vitblocks.models import find_ffn_slots
 from vitblocks.profile import fault_note, fixed_threads, input_size_of, interleaved_times
 
@@ -96,11 +95,6 @@ def _ffn_input(model, layer: AFBO, batch_size: int) -> torch.Tensor:
     handle.remove()
     x = seen[0]
     return x.expand(batch_size, *x.shape[1:]).contiguous() + 0.01 * torch.randn(batch_size, *x.shape[1:])
-
-
-def per_thread_chunk_bytes() -> int:
-    chunk = AFBODeployed.inference_chunk_bytes
-    return slice_budget_bytes(1) if chunk is None else chunk  # None: one core's level-2 cache
 
 
 def end_to_end(args) -> None:
@@ -175,7 +169,7 @@ def main(argv=None):
     load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan')
     print(f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average {load:.1f}; '
           f'torch {torch.__version__}, {args.threads} thread(s), {allocator}, AFBODeployed.inference_chunk_bytes '
-          f'{per_thread_chunk_bytes()} per thread'
+          f'{AFBODeployed.inference_chunk_bytes} per thread'
           + (f' up to {AFBODeployed.inference_chunk_max_threads} thread(s)'
              if AFBODeployed.inference_chunk_max_threads else ''))
     torch.manual_seed(0)

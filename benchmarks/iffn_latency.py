@@ -52,7 +52,6 @@ import vitblocks  # noqa: F401  (registers the iffn_* models with timm)
 from vitblocks.deploy import reparameterize
 from vitblocks.layers import IFFNDeployed
 from vitblocks.layers import iffn_deployed as iffn_layer
-from vitblocks.layers.cpu_cache import slice_budget_bytes
 from vitblocks.layers.layout import slice_step
 from vitblocks.layers.rational_gelu import RationalGELU
 from vitblocks.models import find_ffn_slots
@@ -352,8 +351,6 @@ def main(argv=None):
     print(f'MACs per image: {macs_iffn / 1e9:.3f} G vs {macs_base / 1e9:.3f} G = {macs_iffn / macs_base:.3f}x; '
           f'deployed vs training form: max relative difference {rel:.1e}')
     chunk = args.chunk_bytes if args.chunk_bytes is not None else IFFNDeployed.inference_chunk_bytes
-    if chunk is None:  # the machine's level-2 caches
-        chunk = slice_budget_bytes(args.threads)
     print('deployed IFFN: BN folded, inference path, '
           + (f'batch slices of {chunk / 2 ** 20:.1f} MiB of hidden features\n' if chunk else 'whole batch at once\n'))
 

@@ -1,6 +1,5 @@
 """What exporters record from the deployed layers: plain functional graphs (no in-place or out= op, no batch loop),
-equal to the eager layer at any batch size, shaped for ONNX Runtime; and the CPU path's slice budget read from the
-machine's caches."""
+equal to the eager layer at any batch size, shaped for ONNX Runtime."""
 import contextlib
 import io
 import tempfile
@@ -10,7 +9,6 @@ import torch
 
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.layers import AFBO, IFFN, RePaFFN
-from vitblocks.layers import cpu_cache
 from vitblocks.layers.channel_maps import create_channel_map
 from vitblocks.layers.layout import building_graph, exporting, plain_eager_inference
 from _helpers import perturb_
@@ -125,39 +123,3 @@ def test_iffn_exports_its_conv_with_layout_changes_only_around_it():
     layer, shape = _deployed('iffn_tokens_prefix')
     ops = _onnx_ops(layer, torch.randn(2, *shape), optimize=False)
     assert ops.count('Transpose') == 2 and ops.count('Conv') == 1  # into and out of the depthwise conv only
-
-
-# -- the CPU path's slice budget ------------------------------------------------------------
-
-def _fake_caches(tmp_path, entries):
-    for i, (level, kind, size) in enumerate(entries):
-        d = tmp_path / f'index{i}'
-        d.mkdir()
-        (d / 'level').write_text(f'{level}\n')
-        (d / 'type').write_text(f'{kind}\n')
-        (d / 'size').write_text(f'{size}\n')
-    return tmp_path
-
-
-def test_l2_cache_size_is_read_from_sysfs(tmp_path):
-    caches = _fake_caches(tmp_path, [(1, 'Data', '48K'), (1, 'Instruction', '32K'), (2, 'Unified', '1024K'),
-                                     (3, 'Unified', '32M')])
-    assert cpu_cache.l2_cache_bytes(caches) == 2 ** 20
-
-
-def test_slice_budget_follows_the_machine_and_is_zero_when_unknown(monkeypatch):
-    monkeypatch.setattr(cpu_cache, 'l2_cache_bytes', lambda: 512 * 2 ** 10)
-    assert cpu_cache.slice_budget_bytes(3) == 3 * 512 * 2 ** 10
-    monkeypatch.setattr(cpu_cache, 'l2_cache_bytes', lambda: None)
-    assert cpu_cache.slice_budget_bytes(3) == 0  # the whole batch at once
-
-
-def test_the_deployed_layers_slice_by_the_machines_cache(monkeypatch):
-    from vitblocks.layers import iffn_deployed
-    layer, shape = _deployed('iffn_tokens_prefix')
-    x = torch.randn(8, *shape)
-    per_sample = 16 * 48 * 4  # bytes of hidden features per sample
-    monkeypatch.setattr(iffn_deployed, 'slice_budget_bytes', lambda: 3 * per_sample)
-    assert layer._slice_size(x) == 3
-    monkeypatch.setattr(iffn_deployed, 'slice_budget_bytes', lambda: 0)
-    assert layer._slice_size(x) is None

@@ -22,7 +22,6 @@ from torch import nn
 from ..kernels import kernels_usable
 from .activations import act_fn_
 from .afbo import AFBO
-from .cpu_cache import slice_budget_bytes
 from .layout import (autocasting, batch_slice_size, building_graph, check_grid, conv_channels_last, exporting,
                      plain_eager_inference)
 from .registry import register_deployed_form
@@ -40,12 +39,11 @@ class AFBODeployed(AFBO):
     deploy = True
 
     # CPU path: run the batch in slices so that each Md-wide intermediate holds about this many
-    # bytes per intra-op thread, buffers reused across slices. The slices' intermediates stay in cache and
-    # are recycled by the allocator instead of being fresh pages the OS must zero on every call:
-    # afbo_deit_tiny / deit_tiny at batch 32 on 2 threads went from 1.435x (whole batch) to 1.08-1.17x with
-    # 2 MiB. None (default): one core's level-2 cache, read from the machine (layers/cpu_cache.py; the whole
-    # batch where the OS does not say); 0: never slice. docs/afbo.md has the measurements.
-    inference_chunk_bytes: Optional[int] = None
+    # bytes per intra-op thread (2 MB ~ 3 images of DeiT-T), buffers reused across slices. The slices'
+    # intermediates stay in cache and are recycled by the allocator instead of being fresh pages the OS
+    # must zero on every call: afbo_deit_tiny / deit_tiny at batch 32 on 2 threads went from 1.435x
+    # (whole batch) to 1.08-1.17x. 0: never slice. docs/afbo.md has the measurements.
+    inference_chunk_bytes: int = 2 * 2 ** 20
     inference_chunk_max_threads: Optional[int] = None  # slice only with at most this many threads (None: any)
 
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
@@ -185,8 +183,8 @@ class AFBODeployed(AFBO):
           with one batched matmul (no layout copy); the depthwise convs read the patch tokens
           through a channels-last ``(b, Md, H, W)`` view, and the product is written back into
           the left branch's buffer, which fc2 reads (prefix tokens skip the convs, no concat).
-        * The batch runs in slices of about ``inference_chunk_bytes`` (default: one core's L2 cache)
-          per thread per Md-wide intermediate, with the slice buffers reused, so the intermediates of a slice stay in
+        * The batch runs in slices of about ``inference_chunk_bytes`` per thread per Md-wide
+          intermediate, with the slice buffers reused, so the intermediates of a slice stay in
           cache and no call pays for fresh pages (1.08-1.17x DeiT-T instead of 1.44x on 2 threads);
           not while ``torch.compile`` or tracing builds a graph (:func:`~vitblocks.layers.layout.batch_slice_size`).
         * Grouped weights (GCCM's pairs) are packed once per call, not once per slice.
@@ -215,9 +213,7 @@ class AFBODeployed(AFBO):
         if not torch.compiler.is_compiling():  # dynamo cannot trace get_num_threads (a graph break)
             threads = torch.get_num_threads()
             limit = self.inference_chunk_max_threads
-            per_thread = self.inference_chunk_bytes
-            budget = (slice_budget_bytes(threads) if per_thread is None else per_thread * threads) \
-                if limit is None or threads <= limit else 0
+            budget = self.inference_chunk_bytes * threads if limit is None or threads <= limit else 0
             step = batch_slice_size(B, per_image, budget) or B
         w_left, w_right = self.left_map.bmm_weight(), self.right_map.bmm_weight()
         buf_left, buf_right = rows.new_empty(step * N, hid), rows.new_empty(step * N, hid)

@@ -23,7 +23,6 @@ from torch import nn
 from ..kernels import kernels_usable
 from .activations import act_fn, act_fn_
 from .iffn import IFFN, linear_weight, norm_channels_last
-from .cpu_cache import slice_budget_bytes
 from .layout import (autocasting, batch_slice_size, building_graph, check_grid, conv_channels_last, exporting,
                      plain_eager_inference, split_tokens)
 from .rational_gelu import gelu_rational
@@ -42,10 +41,11 @@ class IFFNDeployed(IFFN):
     deploy = True
     fold_batchnorm = True  # IFFN.__init__ builds the depthwise block without its BatchNorm
 
-    # CPU path: process the batch in slices of about this many bytes of C'-wide hidden features. None (default):
-    # the level-2 caches of the intra-op threads together, read from the machine (layers/cpu_cache.py; the whole
-    # batch where the OS does not say); 0 = whole batch. See _forward_cpu; set per instance or on the class.
-    inference_chunk_bytes: Optional[int] = None
+    # CPU path: process the batch in slices of about this many bytes of C'-wide hidden
+    # features; 0 = whole batch. See _forward_cpu; set per instance or on the class. Not a cache size: 8 MiB
+    # was the fastest on both CPU families measured (AMD AVX2 and Intel AVX-512, where the size of two cores'
+    # L2 caches, 4 MiB, was 10% slower and the whole batch 40%; docs/cpu_deploy.md).
+    inference_chunk_bytes: int = 8 * 2 ** 20
     # CPU path while torch.compile traces it: exact GELUs through the rational erf of
     # layers/rational_gelu.py (same function within 3e-7 relative, ~1.7x faster per element in
     # inductor's CPU kernels); False = torch's GELU. Set per instance or on the class. Needs a torch whose
@@ -168,8 +168,7 @@ class IFFNDeployed(IFFN):
         * The N activations are written by broadcasting into one ``(..., N, C'/N)`` buffer and
           finished in place (no concat copy); the spatial residual is added in place into the
           patch tokens (prefix tokens stay where they are, no concat).
-        * The batch runs in slices of hidden features about the size of the threads' L2 caches
-          (``inference_chunk_bytes``),
+        * The batch runs in slices of about 8 MiB of hidden features (``inference_chunk_bytes``),
           so the C'-wide intermediates stay in cache and the allocator recycles them: fresh tensors
           of tens of MB are mapped and zero-filled page by page on every allocation, which costs
           more than the element-wise arithmetic itself. Slicing multiplies the ops (each a
@@ -196,8 +195,7 @@ class IFFNDeployed(IFFN):
     def _slice_size(self, x: torch.Tensor) -> Optional[int]:
         """Samples per batch slice of the CPU path, None for one slice (``inference_chunk_bytes``)."""
         per_sample = math.prod(x.shape[1:-1]) * self.hidden_features * x.element_size()  # hidden bytes
-        budget = slice_budget_bytes() if self.inference_chunk_bytes is None else self.inference_chunk_bytes
-        return batch_slice_size(x.shape[0], per_sample, budget)
+        return batch_slice_size(x.shape[0], per_sample, self.inference_chunk_bytes)
 
     def _hidden_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """fc1, activations, norm and spatial part of a channels-last slice ``(b, ..., C) -> (b, ..., C')``.
