@@ -27,8 +27,10 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import timm
@@ -38,8 +40,10 @@ from torch import nn
 
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.deploy import reparameterize
-from vitblocks.models import find_ffn_slots
 from vitblocks.profile import input_size_of
+
+sys.path.insert(0, str(Path(__file__).parent))
+import iffn_latency  # noqa: E402
 
 BLOCKS = {'afbo': 'afbo_deit_tiny_patch16_224', 'iffn': 'iffn_deit_small_patch16_224'}
 
@@ -96,16 +100,10 @@ class GroupedChannelsFirst(nn.Module):
 
 
 def first_ffn_and_input(name: str, batch_size: int):
+    """The deployed model's first FFN and the batch it receives in a real forward (iffn_latency's helper)."""
     model = reparameterize(timm.create_model(name))
-    parent, attr, _, _ = next(iter(find_ffn_slots(model)))
-    layer = getattr(parent, attr)
-    seen = []
-    handle = layer.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
-    with torch.inference_mode():
-        model(torch.randn(1, *input_size_of(model)))
-    handle.remove()
-    x = seen[0]
-    return layer, x.expand(batch_size, *x.shape[1:]).contiguous() + 0.01 * torch.randn(batch_size, *x.shape[1:])
+    _, layer, x = iffn_latency.first_ffn_and_input(model, batch_size, input_size_of(model))
+    return layer, x
 
 
 def session(module: nn.Module, x: torch.Tensor, threads: int, profile_dir=None):

@@ -227,3 +227,25 @@ def test_cpu_runtimes_skips_a_runtime_not_installed_unless_named(benchmarks_on_p
     assert 'skipping OpenVINO: OpenVINO needs the openvino package: pip install openvino' in capsys.readouterr().out
     with pytest.raises(SystemExit, match='--runtimes openvino: OpenVINO needs the openvino package'):
         cpu_runtimes.open_runtimes(cpu_runtimes.parse_args(['--runtimes', 'eager', 'openvino']))
+
+
+def test_onnx_ffn_forms_checks_and_times_every_form(benchmarks_on_path, capsys):
+    pytest.importorskip('onnxruntime')
+    pytest.importorskip('onnxscript')
+    import onnx_ffn_forms
+    onnx_ffn_forms.main(['--block', 'afbo', '--batch-size', '1', '--repeats', '1', '--threads', '1'])
+    out = capsys.readouterr().out
+    assert 'first FFN of afbo_deit_tiny_patch16_224, input (1, 197, 192)' in out
+    rows = {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'^\s+(timm Mlp|reference|grouped, channels-first|export)\s+[\d.]+\s+([\d.]+)x$', out, re.M)}
+    assert set(rows) == {'timm Mlp', 'reference', 'grouped, channels-first', 'export'}, out
+    assert rows['timm Mlp'] == 1.0 and all(r > 0 for r in rows.values())
+
+
+def test_onnx_ffn_forms_refuses_a_form_that_computes_otherwise(benchmarks_on_path, monkeypatch):
+    pytest.importorskip('onnxruntime')
+    pytest.importorskip('onnxscript')
+    import onnx_ffn_forms
+    monkeypatch.setattr(onnx_ffn_forms.GroupedChannelsFirst, 'forward', lambda self, x: x[..., :1] * 0 + x.sum())
+    with pytest.raises(SystemExit, match="form 'grouped, channels-first' computes other outputs"):
+        onnx_ffn_forms.main(['--block', 'afbo', '--batch-size', '1', '--repeats', '1', '--threads', '1'])
