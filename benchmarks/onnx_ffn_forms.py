@@ -17,19 +17,16 @@ The forms (each checked equal to the eager layer in ONNX Runtime before it is ti
   right around it (ONNX Runtime folds them into its conv's reorders), AFBO's maps as dense matmuls.
 
 Weights are random (speed does not depend on their values). Median ms per call over ``--repeats`` interleaved
-calls, the form order reversed every other round; the ratio is against timm's Mlp of the same widths.
+calls (``vitblocks.profile.interleaved_times``) in sessions set up as ``benchmarks/cpu_runtimes.py`` sets them up;
+the ratio is against timm's Mlp of the same widths.
 """
 import argparse
-import collections
 import contextlib
 import io
-import json
-import os
 import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +37,11 @@ from torch import nn
 
 import vitblocks  # noqa: F401  (registers the models)
 from vitblocks.deploy import reparameterize
-from vitblocks.profile import input_size_of
+from vitblocks.profile import input_size_of, interleaved_times
 
 sys.path.insert(0, str(Path(__file__).parent))
 import iffn_latency  # noqa: E402
+from _cpu_runtimes import OnnxRuntime, op_profile  # noqa: E402
 
 BLOCKS = {'afbo': 'afbo_deit_tiny_patch16_224', 'iffn': 'iffn_deit_small_patch16_224'}
 
@@ -106,26 +104,10 @@ def first_ffn_and_input(name: str, batch_size: int):
     return layer, x
 
 
-def session(module: nn.Module, x: torch.Tensor, threads: int, profile_dir=None):
-    import onnxruntime as ort
+def export_form(module: nn.Module, x: torch.Tensor, path: Path) -> Path:
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-        program = torch.onnx.export(module, (x,), dynamo=True, input_names=['input'], output_names=['output'])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if profile_dir:
-        options.enable_profiling, options.profile_file_prefix = True, os.path.join(profile_dir, 'form')
-    return ort.InferenceSession(program.model_proto.SerializeToString(), options, providers=['CPUExecutionProvider'])
-
-
-def top_ops(sess, calls: int, count: int = 8):
-    events = json.load(open(sess.end_profiling()))
-    per_node = collections.Counter()
-    for e in events:
-        if e.get('cat') == 'Node' and e['name'].endswith('_kernel_time'):
-            per_node[(e['args'].get('op_name'), e['name'][:-len('_kernel_time')])] += e['dur']
-    total = sum(per_node.values())
-    return [(op, node, d / total, d / calls / 1e3) for (op, node), d in per_node.most_common(count)]
+        torch.onnx.export(module, (x,), path, dynamo=True, input_names=['input'], output_names=['output'])
+    return path
 
 
 def compare(block: str, args) -> None:
@@ -136,34 +118,32 @@ def compare(block: str, args) -> None:
     forms['export'] = layer
     with torch.no_grad():
         expected = layer(x).numpy()
-    xn = x.numpy()
+    feed = {'input': x.numpy()}
+    runtime = OnnxRuntime(args.threads)  # the session settings of benchmarks/cpu_runtimes.py
     with tempfile.TemporaryDirectory() as tmp:
-        sessions = {n: session(m, x, args.threads, tmp if args.profile else None) for n, m in forms.items()}
+        sessions = {n: runtime.session(export_form(m, x, Path(tmp) / f'form{i}.onnx'),
+                                       Path(tmp) / f'profile{i}' if args.profile else None)
+                    for i, (n, m) in enumerate(forms.items())}
         for name, sess in sessions.items():
             if name != 'timm Mlp':
-                err = float(np.abs(sess.run(None, {'input': xn})[0] - expected).max())
+                err = float(np.abs(sess.run(None, feed)[0] - expected).max())
                 if not err < 1e-4:
                     raise SystemExit(f'{block} form {name!r} computes other outputs in ONNX Runtime (max error {err})')
-        times = {n: [] for n in sessions}
-        names = list(sessions)
-        for n in names:  # warm-up
-            sessions[n].run(None, {'input': xn})
-        for r in range(args.repeats):
-            for n in (names if r % 2 == 0 else names[::-1]):
-                start = time.perf_counter()
-                sessions[n].run(None, {'input': xn})
-                times[n].append((time.perf_counter() - start) * 1e3)
+        times = interleaved_times({n: (lambda s=s: s.run(None, feed)) for n, s in sessions.items()}, args.repeats)
         base = statistics.median(times['timm Mlp'])
         print(f'\n{block}: first FFN of {BLOCKS[block]}, input {tuple(x.shape)}, ONNX Runtime, {args.threads} threads')
         print(f'  {"form":26s} {"median ms":>10s} {"vs Mlp":>8s}')
-        for n in names:
+        for n in sessions:
             med = statistics.median(times[n])
             print(f'  {n:26s} {med:10.2f} {med / base:7.2f}x')
         if args.profile:
-            for n in names:
+            for n, sess in sessions.items():
+                untimed = 1 if n == 'timm Mlp' else 2  # the output check and the warm-up round
                 print(f'  slowest ops, {n}:')
-                for op, node, share, ms in top_ops(sessions[n], args.repeats + 2):
-                    print(f'    {op:22s} {node[:44]:44s} {100 * share:5.1f}% {ms:8.2f} ms')
+                for node in op_profile(Path(sess.end_profiling()), untimed)['nodes'][:8]:
+                    print(f'    {node["op"]:22s} {node["name"][:44]:44s} {100 * node["share"]:5.1f}% '
+                          f'{node["ms_per_run"]:8.2f} ms')
+        runtime.close()
 
 
 def main(argv=None):
