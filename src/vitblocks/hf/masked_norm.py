@@ -65,18 +65,24 @@ def _in_backward() -> bool:
     return task is not None and task() != -1
 
 
+def _masked_copy(cls, bn: nn.modules.batchnorm._BatchNorm, source: nn.Module, context):
+    """A ``cls`` built with ``bn``'s arguments on its device and dtype, holding ``source``'s state and train/eval
+    mode, reading the pad mask from ``context``."""
+    ref = bn.running_mean if bn.running_mean is not None else bn.weight
+    new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, device=ref.device,
+              dtype=ref.dtype)
+    new.load_state_dict(source.state_dict())
+    new.context = context
+    return new.train(source.training)
+
+
 class MaskedBatchNorm2d(nn.BatchNorm2d):
     """``BatchNorm2d`` on a ``(B, C, 1, L)`` sequence map whose statistics leave out pad tokens
     (:func:`masked_batch_norm`); same parameters, buffers and state-dict keys as ``nn.BatchNorm2d``."""
 
     @classmethod
     def from_batchnorm(cls, bn: nn.BatchNorm2d, context) -> 'MaskedBatchNorm2d':
-        ref = bn.running_mean if bn.running_mean is not None else bn.weight
-        new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, device=ref.device,
-                  dtype=ref.dtype)
-        new.load_state_dict(bn.state_dict())
-        new.context = context
-        return new.train(bn.training)
+        return _masked_copy(cls, bn, bn, context)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, C, _, L = x.shape
@@ -92,13 +98,7 @@ class MaskedTokenBatchNorm(TokenBatchNorm):
 
     @classmethod
     def from_batchnorm(cls, norm: TokenBatchNorm, context) -> 'MaskedTokenBatchNorm':
-        bn = norm.bn
-        ref = bn.running_mean if bn.running_mean is not None else bn.weight
-        new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, device=ref.device,
-                  dtype=ref.dtype)
-        new.load_state_dict(norm.state_dict())
-        new.context = context
-        return new.train(norm.training)
+        return _masked_copy(cls, norm.bn, norm, context)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.ndim != 3:
