@@ -45,7 +45,10 @@ def interpreting() -> bool:
 
 def kernels_usable(x: torch.Tensor) -> bool:
     """Whether a deployed module runs these kernels on ``x``: a CUDA tensor with Triton installed, outside
-    ``torch.compile`` (inductor fuses the reference ops itself), tracing and scripting."""
+    ``torch.compile`` (inductor fuses the reference ops itself), tracing, scripting and ``torch.func`` transforms
+    (``vmap`` has no batching rule for a Triton launch)."""
     if torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     return x.device.type == 'cuda' and triton_available()

@@ -22,7 +22,7 @@ from torch import nn
 from ..kernels import kernels_usable
 from .activations import act_fn_
 from .afbo import AFBO
-from .layout import (autocasting, batch_slice_size, building_graph, check_grid, conv_channels_last, exporting,
+from .layout import (autocasting, batch_slice_size, check_grid, conv_channels_last, exporting,
                      plain_eager_inference)
 from .registry import register_deployed_form
 
@@ -59,7 +59,7 @@ class AFBODeployed(AFBO):
             # an exported program must hold no out= op or batch loop), nor under vmap
             if x.device.type == 'cpu' and plain_eager_inference(x, self.training):
                 return self._forward_cpu(x)
-            if not (self.training or torch.is_grad_enabled() or building_graph()) and kernels_usable(x):
+            if not (self.training or torch.is_grad_enabled()) and kernels_usable(x):
                 return self._forward_fused(x)
         return self._forward_reference(x)
 

@@ -23,7 +23,7 @@ from torch import nn
 from ..kernels import kernels_usable
 from .activations import act_fn, act_fn_
 from .iffn import IFFN, linear_weight, norm_channels_last
-from .layout import (autocasting, batch_slice_size, building_graph, check_grid, conv_channels_last, exporting,
+from .layout import (autocasting, batch_slice_size, check_grid, conv_channels_last, exporting,
                      plain_eager_inference, split_tokens)
 from .rational_gelu import gelu_rational
 from .registry import register_deployed_form
@@ -61,7 +61,7 @@ class IFFNDeployed(IFFN):
                 return self._forward_export(x)
             if x.device.type == 'cpu' and (plain_eager_inference(x, self.training) or _compiling_for_cpu(x)):
                 return self._forward_cpu(x)
-            if not building_graph() and kernels_usable(x):
+            if kernels_usable(x):
                 return self._forward_fused(x)
         # training, autograd, vmap, TorchScript: plain functional ops
         return self._forward_reference(x)
