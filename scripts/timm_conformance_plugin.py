@@ -8,9 +8,8 @@ model joins the test kinds its timm family joins, under timm's own filters. The 
 registry (``get_variant(name).base``, also named in the model config's ``description``), not from the
 name: ``ninformer_baseline_localvit_patch4_28`` is a timm ViT although no filter matches its name. The
 backbones vitblocks adds to timm are their own base; those whose features are tokens rather than a map
-(no spatial ``pool_size``: LV-ViT, and LVT, whose ImageNet model ends in class-attention blocks) are
-routed like timm's token families (``vit_*``, ``volo_*``, ``cait_*``), which timm selects by name through
-``NON_STD_FILTERS``.
+(no spatial ``pool_size``: LV-ViT) are routed like timm's token families (``vit_*``, ``volo_*``,
+``cait_*``), which timm selects by name through ``NON_STD_FILTERS``.
 
 Environment (set by the runner):
 

@@ -75,18 +75,34 @@ def test_csa_is_local():
 
 
 def test_timm_interface():
-    model = timm.create_model('lvt', num_classes=5)
+    """timm's hierarchical interface: the final map from forward_features, the class-attention blocks and the
+    final norm in the head; unpooled, the normalized map, which equals the class-block path's patch tokens."""
+    model = timm.create_model('lvt', num_classes=5).eval()
+    for p in model.norm.parameters():  # a default LayerNorm affine is the identity and would hide a missed norm
+        torch.nn.init.normal_(p)
     cfg = model.pretrained_cfg
     assert cfg['classifier'] == ('head', 'aux_head') and isinstance(model.get_submodule(cfg['first_conv']), nn.Conv2d)
+    assert cfg['pool_size'] == (7, 7) and model.output_fmt == 'NHWC'
     x = torch.randn(2, 3, 64, 64)
-    tokens = model.forward_features(x)  # (B, 1 + 2*2, 256)
-    assert tokens.shape == (2, 5, 256)
-    torch.testing.assert_close(model.forward_head(tokens),
+    fmap = model.forward_features(x)  # (B, H, W, C), before the final norm
+    assert fmap.shape == (2, 2, 2, 256)
+    tokens = torch.cat([model.cls_token.expand(2, -1, -1), fmap.flatten(1, 2)], 1)  # (B, 1 + 2*2, 256)
+    tokens = model.norm(model.post_blocks(tokens))
+    torch.testing.assert_close(model.forward_head(fmap),
                                model.head(tokens[:, 0]) + 0.5 * model.aux_head(tokens[:, 1:]).amax(1))
+    torch.testing.assert_close(model.forward_head(fmap, pre_logits=True), tokens[:, 0])
     feats = timm.create_model('lvt', features_only=True)
     assert [f.shape[1:] for f in feats(x)] == [(64, 16, 16), (64, 8, 8), (160, 4, 4), (256, 2, 2)]
     model.reset_classifier(0)
     assert model(x).shape == (2, 256)
+    model.reset_classifier(0, '')
+    unpooled = model(x)
+    assert unpooled.shape == (2, 2, 2, 256)
+    torch.testing.assert_close(unpooled.flatten(1, 2), tokens[:, 1:])
+    model.reset_classifier(3, 'token')  # pooling again
+    assert model(x).shape == (2, 3)
+    built = timm.create_model('lvt', num_classes=0, global_pool='', class_blocks=0)
+    assert built(x).shape == (2, 2, 2, 256) and built.forward_features(x).shape == (2, 2, 2, 256)
 
 
 def test_class_token_is_kept_out_of_weight_decay():
@@ -103,10 +119,13 @@ def test_class_token_is_kept_out_of_weight_decay():
 def test_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="pools by 'token'"):
         LVT(global_pool='avg')
+    with pytest.raises(ValueError, match="global_pool='' .no pooling. needs num_classes=0, got 1000"):
+        LVT(depths=(1, 1, 1, 1), global_pool='')
     model = LVT(depths=(1, 1, 1, 1))
-    for pool in ('', 'avg'):  # '' (timm: no pooling) was accepted and ignored: the head still pooled
-        with pytest.raises(ValueError, match=f"this LVT pools by 'token'; global_pool={pool!r}"):
-            model.reset_classifier(0, pool)
+    with pytest.raises(ValueError, match="this LVT pools by 'token' .or '' for none.; global_pool='avg'"):
+        model.reset_classifier(0, 'avg')
+    with pytest.raises(ValueError, match="needs num_classes=0, got 2"):
+        model.reset_classifier(2, '')
     model.reset_classifier(0, 'token')
     assert model.head_hidden_size == 256 and isinstance(model.head, nn.Identity)
     with pytest.raises(ValueError, match='recursions must be >= 1'):

@@ -110,13 +110,13 @@ NON_STD = ['vit_*', 'deit*', '*mixer_*', 'volo_*', 'cait_*', 'poolformer_*', 'gc
 
 def test_routing_follows_the_timm_family():
     """The plugin lists a model where timm lists its base: a Swin or PVTv2 variant and the map backbones in the
-    standard kinds, ViT-based models whatever their name and the token backbones (LV-ViT, LVT) in the non-std
-    kind; timm's name filters still apply to our names."""
+    standard kinds (LVT, hierarchical like PVTv2, too), ViT-based models whatever their name and the token
+    backbone LV-ViT in the non-std kind; timm's name filters still apply to our names."""
     std = set(routing.list_models(exclude_filters=['*enormous*'] + NON_STD))
     non_std = set(routing.list_models(filter=NON_STD, exclude_filters=['*enormous*']))
     assert {'iffn_swin_tiny_patch4_window7_224', 'afbo_pvt_v2_b1', 'cyclemlp_b1', 'edgevit_xxs',
-            'pyramid_visionllama_s'} <= std
-    assert {'ninformer_baseline_localvit_patch4_28', 'lvvit_s', 'repa_lvvit_s', 'lvt', 'afbo_lvt'} <= non_std
+            'pyramid_visionllama_s', 'lvt', 'afbo_lvt', 'iffn_lvt'} <= std
+    assert {'ninformer_baseline_localvit_patch4_28', 'lvvit_s', 'repa_lvvit_s'} <= non_std
     assert not std & non_std
     assert std | non_std == set(vitblocks.list_models() + vitblocks.models.list_backbones())
     assert not [n for n in routing.list_models(exclude_filters=['afbo_*']) if n.startswith('afbo_')]
@@ -163,8 +163,8 @@ def test_table_of_a_stopped_run(tmp_path, capsys):
     assert 'E teardown broke' in table and (tmp_path / 'table.md').read_text() == table
 
 
-# the LVT and LV-ViT models and the LocalViT baseline (token features: the non-std kinds), and a Swin variant
-# (a map model in timm's standard and feature kinds)
+# the LVT models (hierarchical: timm's standard and feature kinds), the LV-ViT models and the LocalViT
+# baseline (token features: the non-std kinds), and a Swin variant
 SUBSET = CONTRACT[:5] + ['iffn_swin_tiny_patch4_window7_224']
 
 

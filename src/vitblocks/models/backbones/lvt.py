@@ -20,6 +20,11 @@ Written from the paper and the authors' model definition (``lvt`` with its Image
   tokens, LayerNorm, ``head(cls) + 0.5 * max over tokens of aux_head(tokens)`` (the token-
   labeling head, as LV-ViT; token-labeling training itself is not implemented).
   ``class_blocks=0`` builds the plain backbone (``lvt``: LayerNorm, average pool, linear; 3.69 M).
+* timm's interface: ``forward_features`` returns the final ``(B, H, W, C)`` map, as every
+  hierarchical timm model (PVTv2, Swin) does; the class-attention blocks and the final LayerNorm,
+  which follows them, belong to the head (as timm's ConvNeXt keeps its final norm in its head).
+  ``global_pool=''`` (with no classifier) returns the normalized map: the class-attention blocks
+  update only the class token, so the patch tokens reach the norm as the stages left them.
 
 ``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (input ``(B, H, W, C)``, like GC ViT); the
 depthwise conv of LVT's own MLP goes with it.
@@ -205,11 +210,13 @@ class LVT(StagedBackbone):
                  attn_drop_rate: float = 0., drop_path_rate: float = 0.):
         super().__init__()
         self.in_chans = in_chans  # timm's attribute: the input image's channels
-        pool = 'token' if class_blocks else 'avg'
-        if global_pool not in (None, pool):
-            raise ValueError(f"LVT with class_blocks={class_blocks} pools by {pool!r}, got global_pool={global_pool!r}"
-                             f" (class_blocks=0 for average pooling)")
-        self.num_classes, self.global_pool, self.drop_rate, self.channels_last = num_classes, pool, drop_rate, True
+        self.output_fmt = 'NHWC'  # timm's attribute: forward_features returns (B, H, W, C)
+        self.pool = 'token' if class_blocks else 'avg'  # the pooling the head was built for
+        if global_pool not in (None, self.pool, ''):
+            raise ValueError(f"LVT with class_blocks={class_blocks} pools by {self.pool!r} (or '' for none), got "
+                             f"global_pool={global_pool!r} (class_blocks=0 for average pooling)")
+        self.num_classes, self.drop_rate, self.channels_last = num_classes, drop_rate, True
+        self.global_pool = self.pool if global_pool is None else global_pool
         self.num_features = self.head_hidden_size = embed_dims[-1]
         n_blocks = sum(depths)
         dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # linear, as the authors'
@@ -240,7 +247,7 @@ class LVT(StagedBackbone):
         self.head_drop = nn.Dropout(drop_rate)
         self.use_aux_head = aux_head and class_blocks > 0
         self.head = self.aux_head = None
-        self.reset_classifier(num_classes)
+        self.reset_classifier(num_classes, self.global_pool)
         self.apply(self._init_weights)
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=.02)
@@ -269,10 +276,17 @@ class LVT(StagedBackbone):
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        if global_pool not in (None, self.global_pool):  # '' too: the head always pools (as the constructor says)
-            raise ValueError(f'this LVT pools by {self.global_pool!r}; global_pool={global_pool!r} needs another '
-                             f'class_blocks setting at build time')
-        self.num_classes = num_classes
+        """timm's API: a new classifier for ``num_classes`` (0: none). ``global_pool``: the pooling the model was
+        built with (class token with class blocks, else average), or ``''`` for none, which, as in timm,
+        needs ``num_classes=0`` (the head then returns the normalized map)."""
+        if global_pool not in (None, self.pool, ''):
+            raise ValueError(f"this LVT pools by {self.pool!r} (or '' for none); global_pool={global_pool!r} needs "
+                             f"another class_blocks setting at build time")
+        pool = self.global_pool if global_pool is None else global_pool
+        if pool == '' and num_classes > 0:
+            raise ValueError(f"global_pool='' (no pooling) needs num_classes=0, got {num_classes}: a classifier "
+                             f"reads pooled features")
+        self.num_classes, self.global_pool = num_classes, pool
         ref = self.stages[0].downsample.weight
         dd = dict(device=ref.device, dtype=ref.dtype)
         linear = lambda: nn.Linear(self.num_features, num_classes, **dd)  # noqa: E731
@@ -284,38 +298,52 @@ class LVT(StagedBackbone):
                 self._init_weights(head)
 
     def _after_stages(self, x: torch.Tensor) -> torch.Tensor:
-        """Final (B, H, W, C) map -> forward_features' output: normalized tokens (B, 1 + H * W, C) after the
-        class-attention blocks (class token first), or without class blocks the normalized map."""
-        if self.cls_token is None:
-            return self.norm(x)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x.flatten(1, 2)], dim=1)  # (B, 1 + H*W, C)
-        return self.norm(self.post_blocks(x))
+        """Final (B, H, W, C) map -> forward_features' output: the map itself with class blocks (the final norm
+        follows them, in the head), else the normalized map."""
+        return x if self.cls_token is not None else self.norm(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Average pool (no class blocks) or class token (+ 0.5 x the per-class max of the aux head)."""
-        pooled = x[:, 0] if self.cls_token is not None else x.mean(dim=(1, 2))  # (B, C)
+        """forward_features' (B, H, W, C) map -> logits: the class token after the class-attention blocks and
+        the norm (+ 0.5 x the per-class max of the aux head over the patch tokens), or the average of the
+        normalized map without class blocks; ``global_pool=''``: the normalized map."""
+        if self.cls_token is not None:
+            if self.global_pool == '':
+                return self.norm(x)  # the class blocks would change only the class token
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x.flatten(1, 2)], dim=1)  # (B, 1 + H*W, C)
+            x = self.norm(self.post_blocks(x))
+            pooled, patches = x[:, 0], x[:, 1:]  # (B, C), (B, H*W, C)
+        else:
+            if self.global_pool == '':
+                return x
+            pooled, patches = x.mean(dim=(1, 2)), x.flatten(1, 2)  # (B, H, W, C) -> (B, C), (B, H*W, C)
         pooled = self.head_drop(pooled)
         if pre_logits:
             return pooled
         logits = self.head(pooled)
         if self.aux_head is not None:
-            logits = logits + 0.5 * self.aux_head(x[:, 1:]).amax(dim=1)  # (B, N, classes) -> (B, classes)
+            logits = logits + 0.5 * self.aux_head(patches).amax(dim=1)  # (B, N, classes) -> (B, classes)
         return logits
 
     def _norm_intermediate(self, x: torch.Tensor) -> torch.Tensor:
-        return x  # forward_intermediates(norm=True) takes the maps as they are: LVT's norm follows the class blocks
+        # forward_intermediates(norm=True): with class blocks the final norm is the head's, and maps are taken
+        # as they are
+        return x if self.cls_token is not None else self.norm(x)
 
     def _prune_norm(self) -> None:
-        pass  # the norm goes with the head (the class-attention blocks it follows), in _prune_head
+        if self.cls_token is None:
+            self.norm = nn.Identity()  # with class blocks the norm goes with the head, in _prune_head
 
     def _prune_head(self) -> None:
-        self.post_blocks, self.norm, self.cls_token = nn.Sequential(), nn.Identity(), None
-        self.use_aux_head = False
-        self.reset_classifier(0)
+        """Drop the head: the class-attention blocks, class token and final norm with it; forward then returns
+        the last stage's map."""
+        if self.cls_token is not None:
+            self.post_blocks, self.norm, self.cls_token = nn.Sequential(), nn.Identity(), None
+            self.use_aux_head, self.pool = False, 'avg'
+        self.reset_classifier(0, '')
 
 
 default_cfgs = generate_default_cfgs({  # read by timm's register_model
-    'lvt': dict(url='', num_classes=1000, input_size=(3, 224, 224), pool_size=None, crop_pct=0.96,
+    'lvt': dict(url='', num_classes=1000, input_size=(3, 224, 224), pool_size=(7, 7), crop_pct=0.96,
                 interpolation='bicubic', mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
                 first_conv='stages.0.downsample', classifier=('head', 'aux_head')),
 })
