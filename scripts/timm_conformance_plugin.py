@@ -9,7 +9,9 @@ registry (``get_variant(name).base``, also named in the model config's ``descrip
 name: ``ninformer_baseline_localvit_patch4_28`` is a timm ViT although no filter matches its name. The
 backbones vitblocks adds to timm are their own base; those whose features are tokens rather than a map
 (no spatial ``pool_size``: LV-ViT) are routed like timm's token families (``vit_*``, ``volo_*``,
-``cait_*``), which timm selects by name through ``NON_STD_FILTERS``.
+``cait_*``), which timm selects by name through ``NON_STD_FILTERS``. timm selects the models of its
+feature-API tests (``forward_intermediates``, ``prune_intermediate_layers``) by module
+(``FEAT_INTER_FILTERS``), which cannot name ours: every added backbone implements that API and joins them.
 
 Environment (set by the runner):
 
@@ -52,6 +54,11 @@ def _names_non_std(filters):
     return isinstance(filters, (list, tuple)) and 'vit_*' in filters  # timm's NON_STD_FILTERS
 
 
+def _names_feature_modules(module):
+    # timm's FEAT_INTER_FILTERS: the modules whose models have forward_intermediates / prune_intermediate_layers
+    return isinstance(module, (list, tuple)) and 'pvt_v2' in module
+
+
 def list_models(filter='', module='', pretrained=False, exclude_filters='', name_matches_cfg=False,
                 include_tags=None):
     """timm.list_models for vitblocks: the models whose timm base the same timm call lists."""
@@ -65,12 +72,12 @@ def list_models(filter='', module='', pretrained=False, exclude_filters='', name
         base = base_of(name)
         if any(f and fnmatch.fnmatch(name, f) for f in excluded):
             continue
+        # every added backbone has timm's feature API (tests/test_staged.py; LV-ViT: timm's ViT's)
+        listed = base in bases or (base in ADDED and _names_feature_modules(module))
         if is_token_family(base):
-            if _names_non_std(filter):
+            if _names_non_std(filter) or (listed and not _names_non_std(exclude_filters)):
                 out.append(name)
-            elif not _names_non_std(exclude_filters) and base in bases:
-                out.append(name)
-        elif base in bases:
+        elif listed:
             out.append(name)
     return out
 

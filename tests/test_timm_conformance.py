@@ -120,6 +120,12 @@ def test_routing_follows_the_timm_family():
     assert not std & non_std
     assert std | non_std == set(vitblocks.list_models() + vitblocks.models.list_backbones())
     assert not [n for n in routing.list_models(exclude_filters=['afbo_*']) if n.startswith('afbo_')]
+    # the feature-API kinds: timm lists them by module, ours join through their base's family or as added backbones
+    features = set(routing.list_models(module=['vision_transformer', 'swin_transformer', 'pvt_v2']))
+    assert {'lvt', 'afbo_lvt', 'lvvit_s', 'repa_lvvit_s', 'cyclemlp_b1', 'iffn_swin_tiny_patch4_window7_224',
+            'afbo_pvt_v2_b1', 'ninformer_baseline_localvit_patch4_28'} <= features
+    assert not {n for n in features if routing.base_of(n).startswith('poolformer')}  # timm's metaformer: not listed
+    assert not set(routing.list_models(module=['swin_transformer'])) & {'lvt', 'cyclemlp_b1'}
     assert routing.list_models(pretrained=True) == []
 
 
