@@ -23,8 +23,8 @@ Written from the paper and the authors' model definition (``lvt`` with its Image
 * timm's interface: ``forward_features`` returns the final ``(B, H, W, C)`` map, as every
   hierarchical timm model (PVTv2, Swin) does; the class-attention blocks and the final LayerNorm,
   which follows them, belong to the head (as timm's ConvNeXt keeps its final norm in its head).
-  ``global_pool=''`` (with no classifier) returns the normalized map: the class-attention blocks
-  update only the class token, so the patch tokens reach the norm as the stages left them.
+  ``global_pool=''`` returns the normalized map (the class-attention blocks update only the class
+  token, so the patch tokens reach the norm as the stages left them), classified per position.
 
 ``swap_ffn`` replaces ``stages[s].blocks[i].mlp`` (input ``(B, H, W, C)``, like GC ViT); the
 depthwise conv of LVT's own MLP goes with it.
@@ -277,16 +277,13 @@ class LVT(StagedBackbone):
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """timm's API: a new classifier for ``num_classes`` (0: none). ``global_pool``: the pooling the model was
-        built with (class token with class blocks, else average), or ``''`` for none, which, as in timm,
-        needs ``num_classes=0`` (the head then returns the normalized map)."""
+        built with (class token with class blocks, else average), or ``''`` for none (see ``forward_head``)."""
         if global_pool not in (None, self.pool, ''):
             raise ValueError(f"this LVT pools by {self.pool!r} (or '' for none); global_pool={global_pool!r} needs "
                              f"another class_blocks setting at build time")
-        pool = self.global_pool if global_pool is None else global_pool
-        if pool == '' and num_classes > 0:
-            raise ValueError(f"global_pool='' (no pooling) needs num_classes=0, got {num_classes}: a classifier "
-                             f"reads pooled features")
-        self.num_classes, self.global_pool = num_classes, pool
+        self.num_classes = num_classes
+        if global_pool is not None:
+            self.global_pool = global_pool
         ref = self.stages[0].downsample.weight
         dd = dict(device=ref.device, dtype=ref.dtype)
         linear = lambda: nn.Linear(self.num_features, num_classes, **dd)  # noqa: E731
@@ -305,16 +302,16 @@ class LVT(StagedBackbone):
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """forward_features' (B, H, W, C) map -> logits: the class token after the class-attention blocks and
         the norm (+ 0.5 x the per-class max of the aux head over the patch tokens), or the average of the
-        normalized map without class blocks; ``global_pool=''``: the normalized map."""
+        normalized map without class blocks. ``global_pool=''``: the normalized map, ``(B, H, W, C)``, and the
+        classifier per position (timm's unpooled head)."""
+        if self.global_pool == '':
+            x = self.norm(x) if self.cls_token is not None else x  # class blocks would change the class token only
+            return x if pre_logits else self.head(self.head_drop(x))
         if self.cls_token is not None:
-            if self.global_pool == '':
-                return self.norm(x)  # the class blocks would change only the class token
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x.flatten(1, 2)], dim=1)  # (B, 1 + H*W, C)
             x = self.norm(self.post_blocks(x))
             pooled, patches = x[:, 0], x[:, 1:]  # (B, C), (B, H*W, C)
         else:
-            if self.global_pool == '':
-                return x
             pooled, patches = x.mean(dim=(1, 2)), x.flatten(1, 2)  # (B, H, W, C) -> (B, C), (B, H*W, C)
         pooled = self.head_drop(pooled)
         if pre_logits:
