@@ -4,6 +4,7 @@
     python scripts/timm_conformance.py --timm-tests ~/src/pytorch-image-models/tests \\
         --models 'afbo_lvt' 'repa_lvvit_*' --kinds 'default_cfgs*' --jobs 2 --out /tmp/conf
     python scripts/timm_conformance.py --summarize /tmp/conf      # the table of a run, finished or not
+    python scripts/timm_conformance.py --summarize /tmp/all /tmp/fixed   # /tmp/fixed's cases replace /tmp/all's
 
 Nothing is downloaded: ``--timm-tests`` is a timm checkout (or its ``tests/`` folder) that you
 provide, ideally at the installed timm version. Each model joins the test kinds its timm family
@@ -11,7 +12,8 @@ joins (``scripts/timm_conformance_plugin.py`` says how models are routed); the c
 ``--jobs`` pytest processes, each with one torch thread by default. The result is a pass/fail
 table, model x test kind, printed and written to ``OUT/table.md``; ``OUT/results-*.jsonl`` hold one
 line per finished case (with the failure message) and ``OUT/shard-*.log`` pytest's own output.
-Exit status 1 if a case failed or did not run.
+Exit status 1 if a case failed or did not run. After fixing a model, re-run only it (``--models``)
+and merge the runs' tables with ``--summarize``; the table names each run's commit.
 
 Cells: ``pass``, ``FAIL``, ``skip`` (timm skipped the case, e.g. a fixed input size over its limit),
 ``-`` (the model is not in that kind: timm's filters leave its family out), ``not run`` (collected,
@@ -119,8 +121,8 @@ def _read_jsonl(out: Path, stem: str):
             for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarize(out: Path) -> tuple:
-    """The markdown table of the run in ``out`` (finished or not) and whether every collected case passed."""
+def _read_run(out: Path) -> tuple:
+    """A run's description, its collected cases and each case's worst report (setup, call, teardown)."""
     run = json.loads((out / 'run.json').read_text()) if (out / 'run.json').is_file() else {}
     collected = {r['nodeid']: r for r in _read_jsonl(out, 'collected')}
     outcome = {}
@@ -128,7 +130,25 @@ def summarize(out: Path) -> tuple:
         prev = outcome.get(r['nodeid'])
         if prev is None or ORDER[r['outcome']] > ORDER[prev['outcome']]:
             outcome[r['nodeid']] = r
-    cases = dict(collected, **{k: v for k, v in outcome.items() if k not in collected})
+    return run, dict(collected, **{k: v for k, v in outcome.items() if k not in collected}), outcome
+
+
+def summarize(*outs: Path) -> tuple:
+    """The markdown table of the runs in ``outs`` (finished or not) and whether every case passed. A later run
+    replaces the earlier runs' cases of the models it ran: all of them if it ran every kind (a model's kinds
+    may change with its code), else those of the kinds it ran."""
+    runs, cases, outcome = [], {}, {}
+    for out in outs:
+        run, run_cases, run_outcome = _read_run(out)
+        every_kind = '*' in run.get('kinds', ['*'])
+        ran = {(c['model'], None if every_kind else c['kind']) for c in run_cases.values()}
+        replaced = [n for n, c in cases.items() if (c['model'], None if every_kind else c['kind']) in ran]
+        for n in replaced:
+            cases.pop(n)
+            outcome.pop(n, None)
+        cases.update(run_cases)
+        outcome.update(run_outcome)
+        runs.append((run, len(run_cases), len(replaced)))
     kinds = sorted({c['kind'] for c in cases.values()})
     cells = defaultdict(lambda: defaultdict(Counter))  # model -> kind -> Counter of cells
     for nodeid, case in cases.items():
@@ -141,12 +161,17 @@ def summarize(out: Path) -> tuple:
         return ', '.join(f'{k} x{n}' if n > 1 else k for k, n in sorted(counter.items()))
 
     lines = []
-    if run:
-        lines += [f"timm {run['timm_version']}, `{Path(run['test_file']).name}` sha256 {run['test_file_sha256'][:12]}"
+    for i, (run, n_cases, n_replaced) in enumerate(runs):
+        if not run:
+            continue
+        merged = f'run {i + 1} of {len(runs)}, {n_cases} cases ({n_replaced} of the earlier replaced): ' \
+            if len(runs) > 1 else ''
+        lines += [f"{merged}timm {run['timm_version']}, `{Path(run['test_file']).name}` sha256 "
+                  f"{run['test_file_sha256'][:12]}"
                   f"{', timm commit ' + run['timm_commit'][:12] if run.get('timm_commit') else ''}; vitblocks "
                   f"{_short(run.get('vitblocks_commit')) or 'source outside git'}; started {run['started']}; "
-                  f"{run['models']} models, {run['jobs']} job(s) x {run['threads']} thread(s), "
-                  f"{run['time_limit_s']:g} s per case.", '']
+                  f"{run['models']} models, kinds {' '.join(run['kinds'])}, {run['jobs']} job(s) x "
+                  f"{run['threads']} thread(s), {run['time_limit_s']:g} s per case.", '']
     totals = Counter(CELL[outcome[n]['outcome'] if n in outcome else None] for n in cases)
     lines += ['| test kind | cases | pass | FAIL | skip | not run |', '| --- | ---: | ---: | ---: | ---: | ---: |']
     for kind, name in zip(kinds, short):
@@ -186,17 +211,21 @@ def main(argv=None):
                              'runners (default 1200)')
     parser.add_argument('--out', type=Path, default=Path('timm_conformance'), help='output folder (default '
                         './timm_conformance); an earlier run there is replaced')
-    parser.add_argument('--summarize', type=Path, metavar='OUT',
-                        help='print (and rewrite OUT/table.md) the table of the run in OUT, finished or not; '
-                             'runs nothing')
+    parser.add_argument('--summarize', type=Path, nargs='+', metavar='OUT',
+                        help='print the table of the run in OUT, finished or not, and rewrite OUT/table.md; runs '
+                             'nothing. Several OUT: one table, each later run replacing the earlier runs\' cases '
+                             'of the models it ran (all their kinds if it ran every kind, else the kinds it ran); '
+                             'written to the last OUT/table-merged.md')
     args = parser.parse_args(argv)
     if args.summarize is not None:
         if args.timm_tests is not None:
             parser.error('--summarize reads an earlier run and runs nothing; leave out --timm-tests')
-        if not any(args.summarize.glob('collected-*.jsonl')):
-            parser.error(f'--summarize {args.summarize}: no collected-*.jsonl there; give the --out folder of a run')
-        table, ok = summarize(args.summarize)
-        (args.summarize / 'table.md').write_text(table)
+        for out in args.summarize:
+            if not any(out.glob('collected-*.jsonl')):
+                parser.error(f'--summarize {out}: no collected-*.jsonl there; give the --out folder of a run')
+        table, ok = summarize(*args.summarize)
+        last = args.summarize[-1]
+        (last / ('table.md' if len(args.summarize) == 1 else 'table-merged.md')).write_text(table)
         print(table, end='')
         return 0 if ok else 1
     if args.timm_tests is None:

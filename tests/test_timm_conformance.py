@@ -169,6 +169,39 @@ def test_table_of_a_stopped_run(tmp_path, capsys):
     assert 'E teardown broke' in table and (tmp_path / 'table.md').read_text() == table
 
 
+def _write_run(out, kinds, cases):
+    """A run folder: ``cases`` as (kind, model, outcome or None for collected, not run)."""
+    out.mkdir()
+    nodeid = 'test_models.py::test_model_{}[1-{}]'.format
+    (out / 'run.json').write_text(json.dumps(dict(
+        timm_version='1.0.31', test_file='t/test_models.py', test_file_sha256='ab' * 32, vitblocks_commit=out.name,
+        started='today', models=2, kinds=kinds, jobs=1, threads=1, time_limit_s=60.)))
+    (out / 'collected-0.jsonl').write_text(''.join(
+        json.dumps(dict(nodeid=nodeid(k, m), model=m, kind=f'test_model_{k}')) + '\n' for k, m, _ in cases))
+    (out / 'results-0.jsonl').write_text(''.join(
+        json.dumps(dict(nodeid=nodeid(k, m), outcome=o, message='E broke' if o == 'failed' else '')) + '\n'
+        for k, m, o in cases if o))
+
+
+def test_merged_runs_replace_the_cases_they_ran(tmp_path, capsys):
+    """A later run replaces the cases of the kinds it ran for its models; one over every kind replaces all of
+    its models' cases, including kinds the model no longer joins."""
+    _write_run(tmp_path / 'full', ['*'], [('forward', 'a', 'failed'), ('backward', 'a', 'passed'),
+                                          ('forward', 'b', 'passed'), ('non_std', 'b', 'failed')])
+    _write_run(tmp_path / 'fix_a', ['forward'], [('forward', 'a', 'passed')])
+    _write_run(tmp_path / 'fix_b', ['*'], [('forward', 'b', 'passed'), ('std', 'b', None)])
+    assert _main('--summarize', tmp_path / 'full') == 1
+    capsys.readouterr()
+    assert _main('--summarize', tmp_path / 'full', tmp_path / 'fix_a') == 1  # b's non_std still fails
+    assert '| `a` | pass | pass | - |' in capsys.readouterr().out
+    assert _main('--summarize', tmp_path / 'full', tmp_path / 'fix_a', tmp_path / 'fix_b') == 1  # b's std: not run
+    table = capsys.readouterr().out
+    assert '| `a` | pass | pass | - |' in table and '| `b` | - | pass | not run |' in table and 'non_std' not in table
+    assert 'run 2 of 3, 1 cases (1 of the earlier replaced)' in table and 'vitblocks fix_b' in table
+    assert 'run 3 of 3, 2 cases (2 of the earlier replaced)' in table
+    assert (tmp_path / 'fix_b' / 'table-merged.md').read_text() == table
+
+
 # the LVT models (hierarchical: timm's standard and feature kinds), the LV-ViT models and the LocalViT
 # baseline (token features: the non-std kinds), and a Swin variant
 SUBSET = CONTRACT[:5] + ['iffn_swin_tiny_patch4_window7_224']
