@@ -203,8 +203,9 @@ def test_merged_runs_replace_the_cases_they_ran(tmp_path, capsys):
 
 
 # the LVT models (hierarchical: timm's standard and feature kinds), the LV-ViT models and the LocalViT
-# baseline (token features: the non-std kinds), and a Swin variant
-SUBSET = CONTRACT[:5] + ['iffn_swin_tiny_patch4_window7_224']
+# baseline (token features: the non-std kinds), an added map backbone (EdgeViT: the feature-API kinds timm
+# selects by module) and a Swin variant
+SUBSET = CONTRACT[:5] + ['edgevit_xxs', 'iffn_swin_tiny_patch4_window7_224']
 
 
 @pytest.mark.slow
