@@ -141,8 +141,12 @@ def summarize(*outs: Path) -> tuple:
     for out in outs:
         run, run_cases, run_outcome = _read_run(out)
         every_kind = '*' in run.get('kinds', ['*'])
-        ran = {(c['model'], None if every_kind else c['kind']) for c in run_cases.values()}
-        replaced = [n for n, c in cases.items() if (c['model'], None if every_kind else c['kind']) in ran]
+
+        def scope(case):  # what a case of this run replaces: its model's cases, or those of its model and kind
+            return case['model'], None if every_kind else case['kind']
+
+        ran = {scope(c) for c in run_cases.values()}
+        replaced = [n for n, c in cases.items() if scope(c) in ran]
         for n in replaced:
             cases.pop(n)
             outcome.pop(n, None)

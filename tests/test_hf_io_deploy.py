@@ -72,15 +72,21 @@ def test_reparameterize_keeps_outputs_and_cached_generation(name):
     assert type(model.transformer.h[0].mlp.block).__name__ != 'RePaDeployedFFN'  # the original is untouched
 
 
+def _padded_batch():
+    """Token ids (2, 8) and their attention mask: the second sequence padded after 5 tokens."""
+    ids = torch.randint(2, 50, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    return ids, mask
+
+
 def test_reparameterize_a_padded_encoder_batch():
     model = bert()
     H.swap_ffn(model, 'iffn')
     randomize_batchnorm_(model)
     model.eval()
     deployed = vitblocks.reparameterize(model)
-    ids = torch.randint(2, 50, (2, 8))
-    mask = torch.ones_like(ids)
-    mask[1, 5:] = 0
+    ids, mask = _padded_batch()
     with torch.no_grad():
         torch.testing.assert_close(output_of(deployed, input_ids=ids, attention_mask=mask),
                                    output_of(model, input_ids=ids, attention_mask=mask), atol=1e-5, rtol=0)
@@ -103,9 +109,7 @@ def test_a_swapped_bert_exports_to_onnx(tmp_path):
     H.swap_ffn(model, 'iffn')
     randomize_batchnorm_(model)
     wrapped = _BertHidden(vitblocks.reparameterize(model)).eval()
-    ids = torch.randint(2, 50, (2, 8))
-    mask = torch.ones_like(ids)
-    mask[1, 5:] = 0
+    ids, mask = _padded_batch()
     path = tmp_path / 'bert.onnx'
     torch.onnx.export(wrapped, (ids, mask), str(path), input_names=['input_ids', 'attention_mask'],
                       output_names=['hidden'], dynamo=True, verbose=False)

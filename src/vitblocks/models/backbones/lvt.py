@@ -211,12 +211,12 @@ class LVT(StagedBackbone):
         super().__init__()
         self.in_chans = in_chans  # timm's attribute: the input image's channels
         self.output_fmt = 'NHWC'  # timm's attribute: forward_features returns (B, H, W, C)
-        self.pool = 'token' if class_blocks else 'avg'  # the pooling the head was built for
-        if global_pool not in (None, self.pool, ''):
-            raise ValueError(f"LVT with class_blocks={class_blocks} pools by {self.pool!r} (or '' for none), got "
+        pool = 'token' if class_blocks else 'avg'  # the pooling the head is built for (_built_pool)
+        if global_pool not in (None, pool, ''):
+            raise ValueError(f"LVT with class_blocks={class_blocks} pools by {pool!r} (or '' for none), got "
                              f"global_pool={global_pool!r} (class_blocks=0 for average pooling)")
         self.num_classes, self.drop_rate, self.channels_last = num_classes, drop_rate, True
-        self.global_pool = self.pool if global_pool is None else global_pool
+        self.global_pool = pool if global_pool is None else global_pool
         self.num_features = self.head_hidden_size = embed_dims[-1]
         n_blocks = sum(depths)
         dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]  # linear, as the authors'
@@ -275,11 +275,16 @@ class LVT(StagedBackbone):
     def get_classifier(self) -> nn.Module:
         return self.head
 
+    def _built_pool(self) -> str:
+        """The pooling the head is built for: the class token with class blocks, else the average."""
+        return 'token' if self.cls_token is not None else 'avg'
+
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """timm's API: a new classifier for ``num_classes`` (0: none). ``global_pool``: the pooling the model was
         built with (class token with class blocks, else average), or ``''`` for none (see ``forward_head``)."""
-        if global_pool not in (None, self.pool, ''):
-            raise ValueError(f"this LVT pools by {self.pool!r} (or '' for none); global_pool={global_pool!r} needs "
+        pool = self._built_pool()
+        if global_pool not in (None, pool, ''):
+            raise ValueError(f"this LVT pools by {pool!r} (or '' for none); global_pool={global_pool!r} needs "
                              f"another class_blocks setting at build time")
         self.num_classes = num_classes
         if global_pool is not None:
@@ -335,7 +340,7 @@ class LVT(StagedBackbone):
         the last stage's map."""
         if self.cls_token is not None:
             self.post_blocks, self.norm, self.cls_token = nn.Sequential(), nn.Identity(), None
-            self.use_aux_head, self.pool = False, 'avg'
+            self.use_aux_head = False
         self.reset_classifier(0, '')
 
 
